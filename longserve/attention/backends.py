@@ -1,0 +1,232 @@
+"""Attention over the paged, CP-sharded KV cache.
+
+One algorithm, two sets of primitives:
+- `TorchAttentionBackend`: plain torch, runs anywhere; the reference.
+- `TritonAttentionBackend`: CUDA; Triton store-KV and paged attention (with LSE),
+  cuDNN/flash SDPA for the step's new tokens.
+
+Per layer and step (see attention/metadata.py for the row layout):
+1. K/V of the step's tokens (gathered over PCP and restored to request order) are
+   written to the slots this rank owns.
+2. Decode rows attend over this rank's shard (their new token included); with CP the
+   partial results of every shard are merged by log-sum-exp.
+3. Prefill rows attend causally to the step's new K/V (the suffix) and to the cached
+   context before the chunk (the prefix, sharded like a decode); the two merge by LSE.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longserve.attention.cp_attention import correct_attn_out, merge_attn_states
+from longserve.attention.metadata import AttentionMetadata, PagedPart
+from longserve.worker.kv_cache_spec import MultipleOf
+
+
+class Attention(nn.Module):
+    """The attention of one layer; its KV cache tensor is bound after allocation."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float, kv_sharing_target: int | None = None):
+        super().__init__()
+        self.layer_idx, self.layer_name = layer_idx, f"model.layers.{layer_idx}.self_attn.attn"
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.kv_sharing_target = kv_sharing_target  # layer index whose KV this layer reads
+        self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
+
+    def forward(self, q, k, v, meta: AttentionMetadata):
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        return meta.backend.forward(self, q, k, v, meta)
+
+
+class TorchAttentionBackend:
+    name = "TORCH_REFERENCE"
+    supports_pcp = True
+    can_return_lse_for_decode = True
+    supports_mtp_with_cp_non_trivial_interleave_size = False
+
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        return [MultipleOf(1)]
+
+    # ---- the algorithm ------------------------------------------------------------------
+    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata):
+        ps = meta.ps
+        if meta.pcp_kv_index is not None:  # the step's K/V of every PCP rank, request order
+            k = ps.pcp.all_gather(k, 0)[meta.pcp_kv_index]
+            v = ps.pcp.all_gather(v, 0)[meta.pcp_kv_index]
+        if layer.kv_sharing_target is None:
+            self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self.sharded_paged_attention(layer, q[:nd], meta.decode, ps, False)[0]
+        if meta.num_tokens > nd:
+            out[nd:] = self.prefill_attention(layer, q[nd:], k, v, meta)
+        return out
+
+    def prefill_attention(self, layer: Attention, q, k, v, meta: AttentionMetadata):
+        need_lse = meta.prefix is not None or any(s.ka > s.k0 for s in meta.prefill_segments)
+        k, v = self.suffix_kv_heads(layer, k, v, meta.ps)
+        out = torch.empty_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), device=q.device) if need_lse else None
+        base = meta.num_decode_tokens
+        for s in meta.prefill_segments:
+            rows = slice(s.q0 - base, s.q1 - base)
+            o, l = self.segment_attention(q[rows], k, v, s, layer.scale, need_lse)
+            out[rows] = o
+            if need_lse:
+                lse[rows] = l
+        if meta.prefix is None:
+            return out
+        prefix_q = meta.ps.pcp.all_gather(q, 0) if meta.ps.pcp.world_size > 1 else q
+        p_out, p_lse = self.sharded_paged_attention(layer, prefix_q, meta.prefix, meta.ps,
+                                                    meta.ps.pcp.world_size > 1)
+        merged = torch.empty_like(out)
+        merge_attn_states(merged, p_out, p_lse, out, lse)
+        return merged
+
+    def segment_attention(self, q, k, v, s, scale, need_lse):
+        """q rows of one segment against its keys: full over [k0, ka), causal over [ka, kb)."""
+        out, lse = self.dense_attention(q, k[s.ka:s.kb], v[s.ka:s.kb], True, scale, need_lse)
+        if s.ka > s.k0:
+            o2, l2 = self.dense_attention(q, k[s.k0:s.ka], v[s.k0:s.ka], False, scale, True)
+            merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
+            merge_attn_states(merged, o2, l2, out, lse, merged_lse)
+            out, lse = merged, merged_lse
+        return out, lse
+
+    @staticmethod
+    def suffix_kv_heads(layer: Attention, k, v, ps):
+        """With DCP a rank holds the KV heads of its whole DCP group (see kv_head_range);
+        its own query heads, the r-th 1/dcp of the group's, read only their share."""
+        dcp = ps.dcp.world_size
+        if dcp == 1:
+            return k, v
+        per_kv = layer.num_heads * dcp // layer.num_kv_heads  # query heads per KV head
+        first = ps.dcp.rank_in_group * layer.num_heads // per_kv
+        count = max(1, layer.num_heads // per_kv)
+        return k[:, first:first + count], v[:, first:first + count]
+
+    def sharded_paged_attention(self, layer: Attention, q, part: PagedPart, ps, rows_split: bool):
+        """Attention of q over the cached tokens of every CP rank's shard.
+
+        q [N, Hq, D] is this rank's rows, or (rows_split) the PCP all-gather of every rank's
+        rows; the result holds this rank's rows and heads again.
+        """
+        if ps.dcp.world_size > 1:  # the DCP group's heads: they share the KV heads stored here
+            q = ps.dcp.all_gather(q, 1)
+        out, lse = self.paged_attention(q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale)
+        if ps.cp.world_size == 1:
+            return out, lse
+        lses = ps.cp.all_gather(lse.unsqueeze(0), 0)  # [W, N, Hg]
+        out, lse = correct_attn_out(out.float(), lses, ps.cp.rank_in_group)
+        out = ps.pcp.reduce_scatter(out, 0) if rows_split else ps.pcp.all_reduce(out)
+        out = ps.dcp.reduce_scatter(out, 1)
+        if rows_split:
+            lse = lse.chunk(ps.pcp.world_size, 0)[ps.pcp.rank_in_group]
+        lse = lse.chunk(ps.dcp.world_size, 1)[ps.dcp.rank_in_group]
+        return out.to(q.dtype), lse.contiguous()
+
+    # ---- primitives (reference versions) ---------------------------------------------------
+    @staticmethod
+    def store_kv(k, v, k_cache, v_cache, slot_mapping):
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        n_heads, d = k_cache.shape[-2:]
+        k_cache.view(-1, n_heads, d)[slots] = k[keep].to(k_cache.dtype)
+        v_cache.view(-1, n_heads, d)[slots] = v[keep].to(v_cache.dtype)
+
+    @staticmethod
+    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
+        """Row group r of q over the first kv_lens[r] cached tokens of its block-table row."""
+        block_size, n_heads, d = k_cache.shape[1:]
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
+        qsl, table = part.query_start_loc_cpu, part.block_table
+        for r, kv_len in enumerate(part.kv_lens_cpu):
+            if kv_len == 0 or qsl[r] == qsl[r + 1]:
+                continue
+            j = torch.arange(kv_len, device=q.device)
+            slots = table[r, j // block_size].long() * block_size + j % block_size
+            k = k_cache.reshape(-1, n_heads, d)[slots]
+            v = v_cache.reshape(-1, n_heads, d)[slots]
+            o, l = reference_attention(q[qsl[r]:qsl[r + 1]], k, v, False, scale)
+            out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = o.to(q.dtype), l
+        return out, lse
+
+    @staticmethod
+    def dense_attention(q, k, v, causal, scale, need_lse):
+        o, lse = reference_attention(q, k, v, causal, scale)
+        return o.to(q.dtype), lse
+
+
+def reference_attention(q, k, v, causal: bool, scale: float):
+    """Softmax attention in float32. q [Sq, Hq, D], k/v [Sk, Hk, D] (GQA: Hq % Hk == 0).
+    Causal is top-left aligned (row i sees keys 0..i). Returns out [Sq, Hq, D], lse [Sq, Hq]."""
+    sq, hq, _ = q.shape
+    if k.shape[0] == 0:
+        return torch.zeros_like(q, dtype=torch.float32), torch.full((sq, hq), float("-inf"),
+                                                                   device=q.device)
+    group = hq // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if causal:
+        mask = torch.ones(sq, k.shape[0], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Sq]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    return out, lse.transpose(0, 1).contiguous()
+
+
+class TritonAttentionBackend(TorchAttentionBackend):
+    """CUDA: Triton kernels for the paged cache, cuDNN / flash SDPA for the new tokens."""
+    name = "TRITON"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        return [16, 32, 64, 128]
+
+    @staticmethod
+    def store_kv(k, v, k_cache, v_cache, slot_mapping):
+        from longserve.attention.triton_kernels import store_kv
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
+        from longserve.attention.triton_kernels import paged_attention_lse
+        return paged_attention_lse(q, k_cache, v_cache, part.block_table, part.query_start_loc,
+                                   part.kv_lens, scale, part.max_query_len)
+
+    @staticmethod
+    def dense_attention(q, k, v, causal, scale, need_lse):
+        if not need_lse:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=causal,
+                scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            return out.transpose(0, 1), None
+        return sdpa_with_lse(q, k, v, causal, scale)
+
+
+def sdpa_with_lse(q, k, v, causal: bool, scale: float):
+    """Fused attention that also returns the LSE (cuDNN, else flash), [S, H, D] layout."""
+    if k.shape[0] == 0:
+        return reference_attention(q, k, v, causal, scale)
+    group = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    if causal and q.shape[0] > k.shape[0]:  # rows past the keys: see every key (pad rows)
+        return reference_attention(q, k, v, causal, scale)
+    try:
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
+    except RuntimeError:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            qt, kt, vt, 0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]
+    return out[0].transpose(0, 1), lse[0].float().transpose(0, 1).reshape(q.shape[0], q.shape[1])

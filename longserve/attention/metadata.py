@@ -1,0 +1,59 @@
+"""What attention needs to know about one step, built once by the model runner.
+
+Rows of q are this rank's tokens, decodes first. With PCP the prefill rows are the
+DualChunkSwap head/tail chunks; K/V rows are all of the step's real tokens in request
+order (gathered over PCP), which is also the order of `slot_mapping`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from longserve.distributed.parallel_state import ParallelState, single_rank_state
+
+
+@dataclass
+class SuffixSegment:
+    """Query rows [q0, q1) see keys [k0, ka) fully and keys [ka, kb) causally (top-left).
+
+    The keys index the step's new K/V rows (request order). Keys before `ka` are the
+    request's new tokens at earlier positions (PCP chunks); [ka, kb) starts at the
+    chunk's first position.
+    """
+    q0: int
+    q1: int
+    k0: int
+    ka: int
+    kb: int
+
+
+@dataclass
+class PagedPart:
+    """Query rows grouped by request; request r's rows see its first kv_lens[r] cached tokens
+    of this rank's shard (through its block-table row). Host copies drive the torch path."""
+    query_start_loc: torch.Tensor  # [R+1] int32, device
+    kv_lens: torch.Tensor  # [R] int32, device
+    block_table: torch.Tensor  # [R, max_blocks] int32, device (kernel blocks)
+    max_query_len: int
+    query_start_loc_cpu: list[int]
+    kv_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.kv_lens_cpu)
+
+
+@dataclass
+class AttentionMetadata:
+    num_decode_tokens: int  # first rows of q
+    num_tokens: int  # rows of q (local)
+    slot_mapping: torch.Tensor  # [T_kv] int64, -1: not stored by this rank
+    decode: PagedPart | None
+    prefill_segments: list[SuffixSegment] = field(default_factory=list)
+    # cached context of the prefill rows; with PCP over the PCP-gathered queries
+    prefix: PagedPart | None = None
+    # PCP: positions in the all-gathered (rank-major, padded) K/V of each real token
+    pcp_kv_index: torch.Tensor | None = None
+    ps: ParallelState = field(default_factory=single_rank_state)
+    backend: object = None  # the AttentionBackend instance

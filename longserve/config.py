@@ -1,0 +1,158 @@
+"""Flat configuration dataclasses.
+
+`EngineConfig` is what `LLM(...)` and the `longserve` command build; every worker
+receives a copy of it, so everything in here is plain data (picklable).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    """The architecture, read from a HF config.json."""
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q, k, v
+    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    checkpoint_dtype: torch.dtype
+    # layer index -> index of an earlier layer whose KV cache it reads (cross-layer KV sharing)
+    kv_sharing: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(f"no config.json in model folder {path!r}")
+        with open(config_file) as f:
+            hf = json.load(f)
+        return cls.from_hf_dict(path, hf)
+
+    @classmethod
+    def from_hf_dict(cls, path: str, hf: dict) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs} in {path!r}; "
+                             f"LongServe runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters")  # transformers >= 5 folds theta and scaling here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        kv_sharing = {int(k): int(v) for k, v in (hf.get("longserve_kv_sharing") or {}).items()}
+        return cls(
+            path=path,
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+            checkpoint_dtype=parse_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            kv_sharing=kv_sharing,
+        )
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # CPU has no free-memory probe worth trusting: the KV cache gets this many bytes.
+    cpu_kv_cache_bytes: int = 256 << 20
+    # Set by the worker after sizing (or by the user, to force a small pool).
+    num_blocks: int | None = None
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+    enable_sequence_parallel: bool = False
+    distributed_timeout_s: float = 300.0
+
+    @property
+    def world_size(self) -> int:
+        return (self.data_parallel_size * self.prefill_context_parallel_size
+                * self.tensor_parallel_size)
+
+    @property
+    def cp_world_size(self) -> int:
+        """Number of KV shards: the context-parallel ranks of a request."""
+        return self.prefill_context_parallel_size * self.decode_context_parallel_size
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    parallel: ParallelConfig
+    scheduler: SchedulerConfig
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    enforce_eager: bool = False
+    seed: int = 0
+    attention_backend: str = "auto"  # "auto", "torch", "triton"
+    load_format: str = "auto"  # "auto": safetensors from the folder; "dummy": seeded random

@@ -1,0 +1,183 @@
+"""Rank layout and process groups.
+
+world = DP x PCP x TP with TP innermost: rank = ((dp * PCP) + pcp) * TP + tp.
+DCP adds no ranks: it splits each TP group into runs of `dcp` consecutive ranks
+(dcp_rank = tp_rank % dcp). The KV cache of a request is sharded over the
+pcp x dcp context-parallel (CP) ranks, cp_rank = pcp_rank * dcp + dcp_rank.
+
+Every group is a `GroupCoordinator`; at size 1 its collectives return the input
+untouched and never touch torch.distributed, so one rank needs no process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longserve.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Coordinates of one global rank."""
+    tp_size: int
+    pcp_size: int
+    dcp_size: int
+    dp_size: int
+    rank: int
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pcp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.pcp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.pcp_size)
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.tp_rank % self.dcp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.pcp_rank * self.dcp_size + self.dcp_rank
+
+    @staticmethod
+    def global_rank(tp_size: int, pcp_size: int, dp: int, pcp: int, tp: int) -> int:
+        return (dp * pcp_size + pcp) * tp_size + tp
+
+
+def group_ranks(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
+    """Rank lists of every group kind, each list ordered by rank within the group."""
+    tp, pcp, dcp, dp = (cfg.tensor_parallel_size, cfg.prefill_context_parallel_size,
+                        cfg.decode_context_parallel_size, cfg.data_parallel_size)
+    rank = lambda d, p, t: RankLayout.global_rank(tp, pcp, d, p, t)  # noqa: E731
+    groups: dict[str, list[list[int]]] = {"tp": [], "pcp": [], "dcp": [], "cp": [], "dp": [],
+                                          "model": []}
+    for d in range(dp):
+        groups["model"].append([rank(d, p, t) for p in range(pcp) for t in range(tp)])
+        for p in range(pcp):
+            groups["tp"].append([rank(d, p, t) for t in range(tp)])
+            for start in range(0, tp, dcp):
+                groups["dcp"].append([rank(d, p, t) for t in range(start, start + dcp)])
+        for t in range(tp):
+            groups["pcp"].append([rank(d, p, t) for p in range(pcp)])
+        for head_group in range(tp // dcp):
+            groups["cp"].append([rank(d, p, head_group * dcp + r)
+                                 for p in range(pcp) for r in range(dcp)])
+    for p in range(pcp):
+        for t in range(tp):
+            groups["dp"].append([rank(d, p, t) for d in range(dp)])
+    return groups
+
+
+class GroupCoordinator:
+    """One process group seen from one rank, with size-1 fast paths."""
+
+    def __init__(self, ranks: list[int], rank: int, device_group=None, cpu_group=None):
+        self.ranks = ranks
+        self.rank = rank
+        self.rank_in_group = ranks.index(rank)
+        self.world_size = len(ranks)
+        self.device_group = device_group
+        self.cpu_group = cpu_group  # gloo, for Python objects and CPU tensors
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    def _is_gloo(self) -> bool:
+        return dist.get_backend(self.device_group) == "gloo"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim`, in rank order."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        if self._is_gloo():
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x, group=self.device_group)
+            return torch.cat(parts, dim=dim)
+        out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]),
+                          dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.device_group)
+        if dim == 0:
+            return out
+        out = out.view((self.world_size,) + tuple(x.shape))
+        return torch.cat(out.unbind(0), dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's 1/world_size slice along `dim`."""
+        if self.world_size == 1:
+            return x
+        if self._is_gloo():  # gloo has no reduce_scatter
+            x = x.clone()
+            dist.all_reduce(x, group=self.device_group)
+            return x.chunk(self.world_size, dim=dim)[self.rank_in_group].contiguous()
+        x = x.movedim(dim, 0).contiguous()
+        out = torch.empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]),
+                          dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=self.device_group)
+        return out.movedim(0, dim)
+
+    def gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor | None:
+        """Concatenation on the first rank of the group, None elsewhere."""
+        if self.world_size == 1:
+            return x
+        gathered = self.all_gather(x, dim)  # NCCL gather is point-to-point; all-gather is one call
+        return gathered if self.is_first_rank else None
+
+    def broadcast_object(self, obj=None):
+        """Send a picklable object from the first rank of the group to the others."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.cpu_group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
+
+
+@dataclass
+class ParallelState:
+    layout: RankLayout
+    tp: GroupCoordinator
+    pcp: GroupCoordinator
+    dcp: GroupCoordinator
+    cp: GroupCoordinator
+    dp: GroupCoordinator
+    model: GroupCoordinator  # every rank of one DP replica; its first rank drives it
+
+
+def single_rank_state() -> ParallelState:
+    g = GroupCoordinator([0], 0)
+    return ParallelState(RankLayout(1, 1, 1, 1, 0), g, g, g, g, g, g)
+
+
+def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
+    """Create every group; all ranks must call this in the same order (new_group is collective)."""
+    layout = RankLayout(cfg.tensor_parallel_size, cfg.prefill_context_parallel_size,
+                        cfg.decode_context_parallel_size, cfg.data_parallel_size, rank)
+    if cfg.world_size == 1:
+        return single_rank_state()
+    mine = {}
+    for kind, lists in group_ranks(cfg).items():
+        for ranks in lists:
+            device_group = dist.new_group(ranks)
+            cpu_group = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                mine[kind] = GroupCoordinator(ranks, rank, device_group, cpu_group)
+    return ParallelState(layout, **mine)

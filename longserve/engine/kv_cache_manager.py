@@ -1,0 +1,142 @@
+"""Block pool and per-request block allocation, with prefix caching.
+
+The manager counts in *virtual* blocks: with context parallelism over W ranks one
+block id covers `block_size * W` tokens of a request, of which each CP rank stores
+`block_size` (see worker/block_table.py). Here that product is `tokens_per_block`.
+
+Prefix caching: a full block is named by a hash chain over its tokens
+(h_i = hash((h_{i-1}, tokens of block i))). Computed full blocks are registered
+in `cached`; a new request reuses the longest chain of hits, bumping reference
+counts. Free blocks sit in an LRU queue; a cached free block keeps its hash until
+it is taken for new data (evicted), oldest first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from longserve.engine.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent_hash, tokens))
+
+
+def compute_block_hashes(token_ids: list[int], tokens_per_block: int,
+                         start_hashes: list[int] | None = None) -> list[int]:
+    """Hashes of every full block of `token_ids`, extending `start_hashes`."""
+    hashes = list(start_hashes or [])
+    for i in range(len(hashes), len(token_ids) // tokens_per_block):
+        parent = hashes[-1] if hashes else None
+        block = tuple(token_ids[i * tokens_per_block:(i + 1) * tokens_per_block])
+        hashes.append(hash_block_tokens(parent, block))
+    return hashes
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache has no blocks (num_blocks={num_blocks}); "
+                             "give it more memory or a smaller block size")
+        self.num_blocks = num_blocks
+        self.tokens_per_block = tokens_per_block
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.newly_allocated: list[int] = []  # blocks handed out since the last drain (to zero)
+        self.num_cached_tokens_hit = 0
+
+    # ---- pool -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)  # least recently used first
+        h = self.block_hash[block_id]
+        if h is not None:  # evict its cached content
+            if self.cached.get(h) == block_id:
+                del self.cached[h]
+            self.block_hash[block_id] = None
+        self.ref_cnt[block_id] = 1
+        self.newly_allocated.append(block_id)
+        return block_id
+
+    def _touch(self, block_id: int) -> None:
+        if self.ref_cnt[block_id] == 0:
+            del self.free_queue[block_id]
+        self.ref_cnt[block_id] += 1
+
+    def drain_newly_allocated(self) -> list[int]:
+        blocks, self.newly_allocated = self.newly_allocated, []
+        return blocks
+
+    # ---- requests ---------------------------------------------------------------------
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached full blocks at the start of the request, and its token count.
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        request.block_hashes = compute_block_hashes(
+            request.all_token_ids, self.tokens_per_block, request.block_hashes)
+        max_blocks = (request.num_tokens - 1) // self.tokens_per_block
+        hits = []
+        for h in request.block_hashes[:max_blocks]:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.tokens_per_block
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens; False if the pool is short."""
+        computed_blocks = computed_blocks or []
+        have = len(request.block_ids) + len(computed_blocks)
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
+        reusable_free = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
+        if need > self.num_free_blocks - reusable_free:
+            return False
+        for b in computed_blocks:
+            self._touch(b)
+        request.block_ids.extend(computed_blocks)
+        request.block_ids.extend(self._take_free_block() for _ in range(max(need, 0)))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.tokens_per_block
+        request.block_hashes = compute_block_hashes(
+            request.all_token_ids[:num_full * self.tokens_per_block], self.tokens_per_block,
+            request.block_hashes[:num_full])
+        for i in range(num_full):
+            block_id, h = request.block_ids[i], request.block_hashes[i]
+            if self.block_hash[block_id] is None and h not in self.cached:
+                self.block_hash[block_id] = h
+                self.cached[h] = block_id
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; tail blocks go to the queue first so they are evicted first."""
+        for block_id in reversed(request.block_ids):
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] == 0:
+                self.free_queue[block_id] = None
+        request.block_ids = []
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True

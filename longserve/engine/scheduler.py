@@ -1,0 +1,202 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step spends a token budget: running requests first (decodes and unfinished
+prefill chunks, in arrival order), then waiting requests. When the KV pool runs
+short, the most recently admitted running request is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later (its
+full blocks usually come back as prefix-cache hits).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from longserve.config import SchedulerConfig
+from longserve.engine.kv_cache_manager import KVCacheManager
+from longserve.engine.request import Request, RequestStatus
+from longserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step, as every worker receives it."""
+    req_id: str
+    token_ids: list[int]  # tokens at positions num_computed_tokens ... (this step's chunk)
+    num_computed_tokens: int
+    block_ids: list[int]  # the request's whole block list when `new`, else blocks added since
+    new: bool  # the workers have no state for it yet (first step, or resumed after preemption)
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    sampling_params: SamplingParams | None = None  # with `new` only
+    seed_offset: int = 0  # tokens sampled so far (keeps seeded sampling reproducible on resume)
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # workers drop their state
+    new_block_ids: list[int] = field(default_factory=list)  # to be zeroed before use
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._num_blocks_sent: dict[str, int] = {}  # blocks the workers already know of
+        self._finished_ids: list[str] = []
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        plan: list[tuple[Request, int]] = []
+        budget = self._schedule_running(plan, budget)
+        self._schedule_waiting(plan, budget)
+        out = SchedulerOutput(finished_req_ids=self._finished_ids,
+                              new_block_ids=self.kv.drain_newly_allocated())
+        self._finished_ids = []
+        for req, n in sorted(plan, key=lambda p: not self._is_decode(*p)):  # decodes first
+            out.requests.append(self._describe(req, n))
+        return out
+
+    @staticmethod
+    def _is_decode(req: Request, n: int) -> bool:
+        return n == 1 and req.num_computed_tokens > 0
+
+    def _chunk_size(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(remaining, budget)
+
+    def _schedule_running(self, plan: list, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk_size(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                plan.append((req, n))
+                budget -= n
+                i += 1
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        # The victim is the last running request: never one already planned this step.
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        if self._num_blocks_sent.pop(req.request_id, None) is not None:
+            self._finished_ids.append(req.request_id)  # the workers drop its state
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, plan: list, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed_blocks, num_computed = self.kv.get_computed_blocks(req)
+            req.num_computed_tokens = num_computed
+            n = self._chunk_size(req, budget)
+            if n == 0 or not self.kv.allocate_slots(req, n, computed_blocks):
+                req.num_computed_tokens = 0
+                break
+            self.kv.num_cached_tokens_hit += num_computed
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.append((req, n))
+            budget -= n
+
+    def _describe(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        sent = self._num_blocks_sent.get(req.request_id)
+        self._num_blocks_sent[req.request_id] = len(req.block_ids)
+        return ScheduledRequest(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + n],
+            num_computed_tokens=start,
+            block_ids=list(req.block_ids if sent is None else req.block_ids[sent:]),
+            new=sent is None,
+            sample=start + n == req.num_tokens,
+            sampling_params=req.sampling_params if sent is None else None,
+            seed_offset=len(req.output_token_ids),
+        )
+
+    # ---- results ----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           logprobs: dict[str, dict[int, float]] | None = None) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests; returns the finished."""
+        finished = []
+        for sr in out.requests:
+            req = self.requests.get(sr.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            req.num_computed_tokens += len(sr.token_ids)
+            self.kv.cache_full_blocks(req)
+            if sr.req_id not in sampled:
+                continue
+            req.output_token_ids.append(sampled[sr.req_id])
+            if logprobs and sr.req_id in logprobs:
+                req.logprobs.append(logprobs[sr.req_id])
+            if self._check_stop(req):
+                finished.append(req)
+        for req in finished:
+            self.finish_request(req.request_id, req.finish_reason)
+        return finished
+
+    def _check_stop(self, req: Request) -> bool:
+        params, token = req.sampling_params, req.output_token_ids[-1]
+        n_out = len(req.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                req.finish_reason, req.stop_reason = "stop", None
+                return True
+            if token in params.stop_token_ids:
+                req.finish_reason, req.stop_reason = "stop", token
+                return True
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            req.finish_reason = "length"
+            return True
+        if req.num_tokens >= self.config.max_model_len:
+            req.finish_reason = "length"
+            return True
+        return False
+
+    def finish_request(self, req_id: str, reason: str | None = "abort") -> None:
+        """Finish (or abort) a request wherever it is and return its blocks to the pool."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        if self._num_blocks_sent.pop(req_id, None) is not None:
+            self._finished_ids.append(req_id)

@@ -1,0 +1,131 @@
+"""`LLM`: the offline API, in vLLM's shape."""
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from longserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                              SchedulerConfig, parse_dtype)
+from longserve.engine.llm_engine import LLMEngine
+from longserve.engine.request import RequestOutput
+from longserve.models.builtin import resolve_model
+from longserve.sampling_params import SamplingParams
+
+
+def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig, device: str) -> None:
+    sizes = dict(tensor_parallel_size=p.tensor_parallel_size,
+                 prefill_context_parallel_size=p.prefill_context_parallel_size,
+                 decode_context_parallel_size=p.decode_context_parallel_size,
+                 data_parallel_size=p.data_parallel_size,
+                 cp_kv_cache_interleave_size=p.cp_kv_cache_interleave_size)
+    for name, v in sizes.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    tp, dcp = p.tensor_parallel_size, p.decode_context_parallel_size
+    if tp % dcp:
+        raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}")
+    if model.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the {model.num_heads} attention heads")
+    groups = tp // dcp  # KV head groups (see kv_head_range)
+    if model.num_kv_heads % groups and groups % model.num_kv_heads:
+        raise ValueError(f"{model.num_kv_heads} KV heads cannot be split over tp/dcp={groups} groups")
+    if cache.block_size % p.cp_kv_cache_interleave_size:
+        raise ValueError(f"cp_kv_cache_interleave_size={p.cp_kv_cache_interleave_size} must divide "
+                         f"block_size={cache.block_size}")
+    if p.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 is not supported by the offline LLM yet; "
+                         "run one engine per replica")
+    if device == "cuda" and p.world_size > torch.cuda.device_count() and not _under_torchrun():
+        raise ValueError(f"the parallel layout needs {p.world_size} GPUs; "
+                         f"{torch.cuda.device_count()} are visible")
+
+
+def _under_torchrun() -> bool:
+    from longserve.engine.executor import launched_by_torchrun
+    return launched_by_torchrun()
+
+
+def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device: str | None = None,
+                        max_model_len: int | None = None, block_size: int = 16,
+                        max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                        gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                        enable_chunked_prefill: bool = True, enforce_eager: bool = False,
+                        seed: int = 0, tensor_parallel_size: int = 1,
+                        prefill_context_parallel_size: int = 1,
+                        decode_context_parallel_size: int = 1, data_parallel_size: int = 1,
+                        cp_kv_cache_interleave_size: int = 1, enable_sequence_parallel: bool = False,
+                        num_gpu_blocks: int | None = None, cpu_kv_cache_gb: float = 0.25,
+                        attention_backend: str = "auto", load_format: str = "auto",
+                        distributed_timeout_s: float = 300.0) -> EngineConfig:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    model_cfg = ModelConfig.from_pretrained(resolve_model(model, seed))
+    if dtype == "auto":
+        dtype = torch.float32 if device == "cpu" else (
+            torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype)
+    max_model_len = max_model_len or model_cfg.max_position_embeddings
+    cache = CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching,
+                        int(cpu_kv_cache_gb * (1 << 30)), num_gpu_blocks)
+    parallel = ParallelConfig(tensor_parallel_size, prefill_context_parallel_size,
+                              decode_context_parallel_size, data_parallel_size,
+                              cp_kv_cache_interleave_size, enable_sequence_parallel,
+                              distributed_timeout_s)
+    validate_parallel(parallel, model_cfg, cache, device)
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
+                            max_model_len, enable_chunked_prefill)
+    if not enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+        raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+    return EngineConfig(model_cfg, cache, parallel, sched, parse_dtype(dtype), device,
+                        enforce_eager, seed, attention_backend, load_format)
+
+
+class LLM:
+    """Offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str = "builtin:qwen3-tiny", **kwargs):
+        self.config = build_engine_config(model, **kwargs)
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for req in requests:  # all validated before any is queued
+            self.engine.add_request(req)
+        bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2)
+        try:
+            while self.engine.has_unfinished():
+                bar.update(len(self.engine.step()))
+        except BaseException:
+            for req in requests:  # leave nothing behind for the next call
+                self.engine.abort_request(req.request_id)
+            raise
+        finally:
+            bar.close()
+        return [self.engine.to_output(r) for r in requests]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,158 @@
+"""Built-in models: real architectures with seeded random weights, written as HF folders.
+
+`builtin:<name>` resolves to a folder under the cache directory (LONGSERVE_CACHE, default
+~/.cache/longserve) holding config.json, model.safetensors and tokenizer.json, made on
+first use and then loaded through the ordinary loader. The `*-shape` entries carry only a
+config (real model shapes for benchmarks); load them with `load_format="dummy"`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+TINY_COMMON = dict(vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                   bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+
+BUILTIN_CONFIGS: dict[str, dict] = {
+    "llama-tiny": dict(
+        TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+        intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=256)),
+    "qwen2-tiny": dict(
+        TINY_COMMON, architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=64,
+        intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3-tiny": dict(
+        TINY_COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=96,
+        intermediate_size=224, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True),
+    # one KV head: more TP ranks than KV heads replicate it (or shard tokens with DCP)
+    "llama-tiny-mqa": dict(
+        TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, rope_theta=10000.0, tie_word_embeddings=False),
+    # cross-layer KV sharing: layers 2 and 3 read the KV of layers 0 and 1
+    "llama-tiny-kvshare": dict(
+        TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+        intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+        longserve_kv_sharing={"2": 0, "3": 1}),
+    "qwen3-0.6b-shape": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643,
+        eos_token_id=151645, torch_dtype="bfloat16"),
+    "llama3-8b-shape": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001, torch_dtype="bfloat16"),
+}
+
+CORPUS = """LongServe serves long prompts on many GPUs. The quick brown fox jumps over the lazy dog.
+Context parallelism splits a prompt across ranks; each rank keeps a shard of the KV cache.
+Tensor parallelism splits the heads and the matrices; data parallelism splits the requests.
+Once upon a time there was a small engine that could read a million tokens and answer.
+def add(a, b):\n    return a + b\nprint(add(2, 3))\n0123456789 !?.,;:'"()[]{}<>-_=+*/%&|^~#@$
+"""
+
+
+def cache_dir() -> str:
+    return os.environ.get("LONGSERVE_CACHE", os.path.expanduser("~/.cache/longserve"))
+
+
+def resolve_model(model: str, seed: int = 0) -> str:
+    """A model argument (folder or builtin:<name>) -> a folder with an HF config."""
+    if not model.startswith("builtin:"):
+        if not os.path.isdir(model):
+            raise FileNotFoundError(f"model folder {model!r} does not exist "
+                                    f"(or use builtin:<name>, one of {sorted(BUILTIN_CONFIGS)})")
+        return model
+    name = model.removeprefix("builtin:")
+    if name not in BUILTIN_CONFIGS:
+        raise ValueError(f"unknown built-in model {name!r}; choose one of {sorted(BUILTIN_CONFIGS)}")
+    path = os.path.join(cache_dir(), f"{name}-seed{seed}")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        write_builtin(name, path, seed)
+    return path
+
+
+def write_builtin(name: str, path: str, seed: int) -> None:
+    cfg = BUILTIN_CONFIGS[name]
+    tmp = f"{path}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    if not name.endswith("-shape"):
+        save_file(random_hf_state_dict(cfg, seed), os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+    write_tokenizer(tmp, min(cfg["vocab_size"], 512), cfg["bos_token_id"], cfg["eos_token_id"])
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.rename(tmp, path)  # atomic: concurrent writers of the same model both succeed
+    except OSError:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def hf_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // nh
+    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (nh * d, h),
+                       p + "self_attn.k_proj.weight": (nkv * d, h),
+                       p + "self_attn.v_proj.weight": (nkv * d, h),
+                       p + "self_attn.o_proj.weight": (h, nh * d),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+        if qwen2:
+            shapes.update({p + f"self_attn.{x}_proj.bias": (n * d,)
+                           for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
+        if qwen3:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return shapes
+
+
+def random_hf_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(hf_tensor_shapes(cfg).items()):
+        if "norm" in name:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:  # std 0.1 on tiny matrices gives peaked, stable next-token distributions
+            out[name] = 0.1 * torch.randn(shape, generator=gen)
+    return out
+
+
+def write_tokenizer(path: str, vocab_size: int, bos_id: int, eos_id: int) -> None:
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+                   "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    assert tok.token_to_id("<s>") == 1 and tok.token_to_id("</s>") == 2

@@ -1,0 +1,229 @@
+"""Tensor-parallel building blocks: linears, vocab-parallel embedding and LM head, RMSNorm, RoPE.
+
+Every parameter that comes from a checkpoint carries a `weight_loader(param, tensor,
+shard=None)` that copies in this rank's slice, so each rank keeps only its part.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longserve.distributed.parallel_state import GroupCoordinator
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _param(*shape: int, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split over TP ranks; the output stays split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: GroupCoordinator):
+        super().__init__()
+        assert out_features % tp.world_size == 0, (out_features, tp.world_size)
+        self.tp = tp
+        self.out_local = out_features // tp.world_size
+        self.weight = _param(self.out_local, in_features, loader=self.load_rows)
+        self.bias = _param(self.out_local, loader=self.load_rows) if bias else None
+
+    def load_rows(self, param, loaded, shard=None):
+        _copy_checked(param, loaded.narrow(0, self.tp.rank_in_group * param.shape[0], param.shape[0]))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matrix (gate and up): shard i goes to slot i."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: GroupCoordinator):
+        super().__init__(in_features, sum(out_sizes), bias, tp)
+        self.local_sizes = [s // tp.world_size for s in out_sizes]
+        self.weight.weight_loader = self.load_shard
+
+    def load_shard(self, param, loaded, shard: int):
+        size = self.local_sizes[shard]
+        offset = sum(self.local_sizes[:shard])
+        piece = loaded.narrow(0, self.tp.rank_in_group * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), piece)
+
+
+def kv_head_range(num_kv_heads: int, tp: GroupCoordinator, dcp_size: int) -> tuple[int, int]:
+    """(first, count) of the KV heads this rank computes and stores.
+
+    With DCP, the `dcp` consecutive TP ranks of a DCP group share one set of KV heads
+    (they split the *tokens* of the cache instead), so heads are split over tp/dcp
+    groups; when there are fewer KV heads than groups, each head is replicated.
+    """
+    groups = tp.world_size // dcp_size
+    group = tp.rank_in_group // dcp_size
+    if num_kv_heads >= groups:
+        assert num_kv_heads % groups == 0, (num_kv_heads, groups)
+        per = num_kv_heads // groups
+        return group * per, per
+    return group * num_kv_heads // groups, 1
+
+
+class QKVParallelLinear(nn.Module):
+    """Fused q, k, v projection; q heads split over TP, KV heads per `kv_head_range`."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: GroupCoordinator, dcp_size: int = 1):
+        super().__init__()
+        assert num_heads % tp.world_size == 0, (num_heads, tp.world_size)
+        self.tp, self.head_dim = tp, head_dim
+        self.num_heads = num_heads // tp.world_size
+        self.kv_start, self.num_kv_heads = kv_head_range(num_kv_heads, tp, dcp_size)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        rows = self.q_size + 2 * self.kv_size
+        self.weight = _param(rows, hidden, loader=self.load_shard)
+        self.bias = _param(rows, loader=self.load_shard) if bias else None
+
+    def load_shard(self, param, loaded, shard: str):
+        d = self.head_dim
+        if shard == "q":
+            offset, size, start = 0, self.q_size, self.tp.rank_in_group * self.q_size
+        else:
+            offset = self.q_size + (0 if shard == "k" else self.kv_size)
+            size, start = self.kv_size, self.kv_start * d
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+
+    def forward(self, x):
+        qkv = F.linear(x, self.weight, self.bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split over TP; partial sums are reduced.
+
+    `reduce="all"` all-reduces; `reduce="scatter"` reduce-scatters over tokens
+    (sequence parallelism: the caller's residual stream is split over TP ranks).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: GroupCoordinator):
+        super().__init__()
+        assert in_features % tp.world_size == 0, (in_features, tp.world_size)
+        self.tp = tp
+        self.in_local = in_features // tp.world_size
+        self.weight = _param(out_features, self.in_local, loader=self.load_cols)
+        self.bias = _param(out_features, loader=self.load_full) if bias else None
+
+    def load_cols(self, param, loaded, shard=None):
+        _copy_checked(param, loaded.narrow(1, self.tp.rank_in_group * self.in_local, self.in_local))
+
+    def load_full(self, param, loaded, shard=None):
+        _copy_checked(param, loaded)
+
+    def forward(self, x, reduce: str = "all"):
+        y = F.linear(x, self.weight)
+        y = self.tp.reduce_scatter(y, 0) if reduce == "scatter" else self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over TP ranks (vocab padded to a multiple of tp)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: GroupCoordinator):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.rows = -(-vocab_size // tp.world_size)
+        self.start = tp.rank_in_group * self.rows
+        self.weight = _param(self.rows, hidden, loader=self.load_rows)
+
+    def load_rows(self, param, loaded, shard=None):
+        if loaded.shape[0] < self.vocab_size:
+            raise ValueError(f"shape {tuple(loaded.shape)} has fewer rows than vocab_size "
+                             f"{self.vocab_size}")
+        piece = loaded[self.start:self.start + self.rows]
+        param.data.zero_()
+        _copy_checked(param.data[:piece.shape[0]], piece)
+
+    def forward(self, ids):
+        if self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocab slice, gathered to the first TP rank."""
+
+    def forward(self, hidden):
+        logits = F.linear(hidden, self.weight)
+        logits = self.tp.gather(logits, dim=-1)
+        return None if logits is None else logits[..., :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, loader=lambda p, w, s=None: _copy_checked(p, w))
+
+    def forward(self, x, residual=None):
+        """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, short kept."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), cos/sin computed from positions each step."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, positions, q, k):
+        """positions [T]; q [T, Hq, D]; k [T, Hk, D]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

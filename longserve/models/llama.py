@@ -1,0 +1,135 @@
+"""Llama / Qwen2 / Qwen3 decoder with tensor parallelism.
+
+The three differ only in details: Qwen2 has a bias on q, k, v; Qwen3 normalises each
+head of q and k (RMSNorm over head_dim) before RoPE. Token tensors are flat [T, ...]:
+the batch is the concatenation of every scheduled request's tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longserve.attention.backends import Attention
+from longserve.config import ModelConfig
+from longserve.distributed.parallel_state import ParallelState
+from longserve.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
+                                     QKVParallelLinear, RMSNorm, RotaryEmbedding,
+                                     RowParallelLinear, VocabParallelEmbedding)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer_idx: int):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, ps.tp, ps.dcp.world_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, ps.tp)
+        self.rotary = RotaryEmbedding(d, cfg.rope_theta, cfg.rope_scaling)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5,
+                              kv_sharing_target=cfg.kv_sharing.get(layer_idx))
+
+    def forward(self, positions, hidden, meta, reduce="all"):
+        q, k, v = self.qkv_proj(hidden)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(out.shape[0], -1), reduce)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, ps.tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ps.tp)
+
+    def forward(self, x, reduce="all"):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, reduce)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer_idx: int):
+        super().__init__()
+        self.tp = ps.tp
+        self.self_attn = LlamaAttention(cfg, ps, layer_idx)
+        self.mlp = LlamaMLP(cfg, ps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta, sp: bool):
+        """With sequence parallelism (`sp`), hidden and residual hold this TP rank's slice of
+        the tokens between layers: gather before the column-parallel matmuls, reduce-scatter
+        after the row-parallel ones."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        reduce = "scatter" if sp else "all"
+        if sp:
+            hidden = self.tp.all_gather(hidden, 0)
+        hidden = self.self_attn(positions, hidden, meta, reduce)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if sp:
+            hidden = self.tp.all_gather(hidden, 0)
+        return self.mlp(hidden, reduce), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+        super().__init__()
+        self.cfg, self.ps = cfg, ps
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps.tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ps, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ps.tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta, sp: bool = False):
+        """input_ids, positions [T] -> final hidden states [T, hidden] (this TP rank's T/tp
+        rows when `sp`; the caller pads T to a multiple of tp)."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        if sp:
+            hidden = hidden.chunk(self.ps.tp.world_size)[self.ps.tp.rank_in_group].contiguous()
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta, sp)
+        hidden, _ = self.norm(hidden, residual)
+        return self.ps.tp.all_gather(hidden, 0) if sp else hidden
+
+    def compute_logits(self, hidden):
+        """[N, hidden] -> [N, vocab] float32 on the first TP rank, None on the others."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+
+# HF checkpoint name -> (our parameter name, shard) for fused parameters.
+STACKED_PARAMS = [
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+]
+
+
+def checkpoint_to_param_name(name: str) -> tuple[str, object]:
+    """Map a HF tensor name onto this module's parameter name and shard id."""
+    name = name.removeprefix("model.")
+    name = name.replace(".self_attn.attn.", ".self_attn.")
+    for hf, ours, shard in STACKED_PARAMS:
+        if hf in name:
+            return name.replace(hf, ours), shard
+    return name, None

@@ -1,0 +1,222 @@
+"""Runs the model for one rank: KV cache set-up, one step's forward, sampling, CUDA graphs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from longserve.attention.backends import TorchAttentionBackend, TritonAttentionBackend
+from longserve.attention.metadata import AttentionMetadata, PagedPart
+from longserve.config import EngineConfig
+from longserve.distributed.parallel_state import ParallelState
+from longserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from longserve.models.loader import build_model
+from longserve.sampling_params import SamplingParams
+from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibility
+from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec)
+from longserve.worker.sampler import Sampler
+from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
+from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
+                                    bind_kv_cache, is_residual_scattered_for_sp,
+                                    prepare_kernel_block_sizes)
+
+
+@dataclass
+class RunnerRequest:
+    block_ids: list[int]
+    sampling_params: SamplingParams | None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int]
+    logprobs: dict[str, dict[int, float]]
+
+
+def choose_backend(config: EngineConfig, device: torch.device):
+    name = config.attention_backend
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend()
+    if device.type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device")
+    return TritonAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, ps: ParallelState, device: torch.device):
+        self.config, self.ps, self.device = config, ps, device
+        self.backend = choose_backend(config, device)
+        check_attention_cp_compatibility(config.parallel, [type(self.backend)])
+        self.model = build_model(config.model, ps, config.dtype, str(device), config.load_format,
+                                 config.seed)
+        self.layers = {a.layer_name: a for a in self.model.attention_layers()}
+        self.block_size = config.cache.block_size
+        par = config.parallel
+        self.kernel_block_size = self._kernel_block_size()
+        self.layout = CPLayout(self.block_size, par.cp_world_size, ps.layout.cp_rank,
+                               par.cp_kv_cache_interleave_size,
+                               self.block_size // self.kernel_block_size)
+        self.max_num_tokens = config.scheduler.max_num_batched_tokens
+        self.pcp = None
+        if par.prefill_context_parallel_size > 1:
+            self.pcp = PCPManager(par.prefill_context_parallel_size, ps.pcp.rank_in_group,
+                                  config.scheduler.max_num_seqs,
+                                  2 * self.max_num_tokens + 4 * par.prefill_context_parallel_size
+                                  * config.scheduler.max_num_seqs, device, pcp_group=ps.pcp)
+        self.requests: dict[str, RunnerRequest] = {}
+        self.sampler = Sampler(config.seed, device)
+        self.zeroer = KVBlockZeroer(device)
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs: dict[int, tuple] = {}
+
+    # ---- KV cache -----------------------------------------------------------------------
+    def _kv_cache_groups(self) -> tuple[KVCacheConfig, list[list[AttentionGroup]], set[str]]:
+        first = next(iter(self.layers.values()))
+        spec = AttentionSpec(self.block_size, first.num_kv_heads, first.head_dim, self.config.dtype)
+        owners = [n for n, a in self.layers.items() if a.kv_sharing_target is None]
+        group = KVCacheGroupSpec(list(owners), spec)
+        shared = {n: f"model.layers.{a.kv_sharing_target}.self_attn.attn"
+                  for n, a in self.layers.items() if a.kv_sharing_target is not None}
+        runner_only: set[str] = set()
+        add_kv_sharing_layers_to_kv_cache_groups(shared, [group], runner_only)
+        attn_groups = [[AttentionGroup(type(self.backend), group.layer_names, spec, 0)]]
+        return KVCacheConfig(0, [group]), attn_groups, runner_only
+
+    def _kernel_block_size(self) -> int:
+        kv_config, attn_groups, _ = self._kv_cache_groups()
+        return prepare_kernel_block_sizes(kv_config, attn_groups)[0]
+
+    def kv_bytes_per_block(self) -> int:
+        owners = [a for a in self.layers.values() if a.kv_sharing_target is None]
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * self.config.dtype.itemsize
+                   for a in owners)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """[2, num_blocks * k, kernel_block_size, Hkv, D] per layer that owns a cache."""
+        kv_config, attn_groups, runner_only = self._kv_cache_groups()
+        k = self.block_size // self.kernel_block_size
+        caches = {}
+        for name, a in self.layers.items():
+            if a.kv_sharing_target is None:
+                caches[name] = torch.empty(2, num_blocks * k, self.kernel_block_size, a.num_kv_heads,
+                                           a.head_dim, dtype=self.config.dtype, device=self.device)
+        for name, a in self.layers.items():
+            if a.kv_sharing_target is not None:
+                caches[name] = caches[f"model.layers.{a.kv_sharing_target}.self_attn.attn"]
+        bind_kv_cache(caches, self.layers, self.kv_caches)
+        self.zeroer.init_meta(attn_groups[0], [self.kernel_block_size], "auto", runner_only,
+                              self.layers)
+
+    @torch.no_grad()
+    def profile_peak_memory(self) -> int:
+        """Run one full-budget prefill with a one-block cache; the activation peak in bytes."""
+        self.allocate_kv_cache(1)
+        n = self.max_num_tokens
+        req = ScheduledRequest("profile", [0] * n, 0, [0], True, True, SamplingParams(max_tokens=1))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.execute(SchedulerOutput([req], [], []), profile=True)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.requests.clear()
+        self.kv_caches.clear()
+        for a in self.layers.values():
+            a.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.no_grad()
+    def execute(self, out: SchedulerOutput, profile: bool = False) -> ModelRunnerOutput | None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        if out.new_block_ids and not profile:
+            self.zeroer.zero_block_ids(out.new_block_ids)
+        for r in out.requests:
+            if r.new:
+                self.requests[r.req_id] = RunnerRequest(list(r.block_ids), r.sampling_params)
+            else:
+                self.requests[r.req_id].block_ids.extend(r.block_ids)
+        if not out.requests:
+            return ModelRunnerOutput({}, {})
+        block_ids = [self.requests[r.req_id].block_ids for r in out.requests]
+        if profile:  # every token's slot in block 0: the table only needs to be wide enough
+            block_ids = [[0] * (len(out.requests[0].token_ids) // self.block_size + 1)]
+        inp = prepare_step(out.requests, block_ids, self.layout, self.ps, self.pcp, self.device,
+                           self.backend)
+        hidden = self.run_model(inp)
+        if self.pcp is not None:
+            hidden = self.pcp.restore_hidden_states(hidden, inp.num_local_tokens)
+        return self.sample(out.requests, hidden, inp)
+
+    def run_model(self, inp: StepInputs) -> torch.Tensor:
+        n = inp.num_local_tokens
+        if inp.is_pure_decode and self.graphs and n <= max(self.graphs):
+            return self.replay_graph(inp)
+        sp = is_residual_scattered_for_sp(self.config, n)
+        return self.model(inp.input_ids, inp.positions, inp.meta, sp)
+
+    def sample(self, reqs: list[ScheduledRequest], hidden, inp: StepInputs) -> ModelRunnerOutput | None:
+        if self.ps.pcp.rank_in_group != 0:  # the first PCP rank's TP group takes the logits
+            return None
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        if logits is None:
+            return None
+        sampling = [r for r in reqs if r.sample]
+        params = [self.requests[r.req_id].sampling_params for r in sampling]
+        tokens, logprobs = self.sampler(logits, params, [r.seed_offset for r in sampling])
+        return ModelRunnerOutput(
+            {r.req_id: t for r, t in zip(sampling, tokens)},
+            {r.req_id: lp for r, lp in zip(sampling, logprobs) if lp is not None})
+
+    # ---- CUDA graphs for decode -----------------------------------------------------------
+    def capture_cudagraphs(self) -> None:
+        """Capture the model's decode forward at bucketed batch sizes (largest first, one pool)."""
+        max_bs = self.config.scheduler.max_num_seqs
+        sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs}
+                       | {max_bs})
+        max_blocks = -(-self.config.scheduler.max_model_len // (self.block_size * self.layout.cp_world_size))
+        width = max_blocks * self.layout.kernel_blocks_per_block
+        dev = self.device
+        self.static = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slots=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            kv_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            qsl=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            table=torch.zeros(max_bs, width, dtype=torch.int32, device=dev))
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(sizes):
+            meta = self._static_decode_meta(bs)
+            args = (self.static["input_ids"][:bs], self.static["positions"][:bs], meta)
+            self.model(*args)  # warm up (Triton compile, cuBLAS handles) outside the capture
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(*args)
+            self.graphs[bs] = (graph, hidden, meta)
+        torch.cuda.synchronize(dev)
+
+    def _static_decode_meta(self, bs: int) -> AttentionMetadata:
+        s = self.static
+        part = PagedPart(s["qsl"][:bs + 1], s["kv_lens"][:bs], s["table"][:bs], 1,
+                         list(range(bs + 1)), [0] * bs)
+        return AttentionMetadata(num_decode_tokens=bs, num_tokens=bs, slot_mapping=s["slots"][:bs],
+                                 decode=part, ps=self.ps, backend=self.backend)
+
+    def replay_graph(self, inp: StepInputs) -> torch.Tensor:
+        n = inp.num_local_tokens
+        bs = min(b for b in self.graphs if b >= n)
+        graph, hidden, _ = self.graphs[bs]
+        s, part = self.static, inp.meta.decode
+        s["input_ids"][:n].copy_(inp.input_ids)
+        s["positions"][:n].copy_(inp.positions)
+        s["slots"][:n].copy_(inp.meta.slot_mapping)
+        s["slots"][n:bs].fill_(-1)  # padding rows write nowhere and read nothing
+        s["kv_lens"][:n].copy_(part.kv_lens)
+        s["kv_lens"][n:bs].fill_(0)
+        s["table"][:n, :part.block_table.shape[1]].copy_(part.block_table)
+        graph.replay()
+        return hidden[:n]

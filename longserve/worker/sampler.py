@@ -1,0 +1,85 @@
+"""Turn the last-position logits of each request into its next token.
+
+Greedy rows take the argmax; the others are scaled by temperature, cut by top-k and
+top-p, and drawn with the exponential race (argmax of p / E, E ~ Exp(1)), which equals
+sampling from p. A seeded request draws its noise from a generator seeded with
+(seed, number of tokens sampled so far), so its tokens do not depend on the batch it
+lands in, nor on preemption.
+"""
+from __future__ import annotations
+
+import torch
+
+from longserve.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._seeded = torch.Generator(device=device)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 seed_offsets: list[int]) -> tuple[list[int], list[dict[int, float] | None]]:
+        """logits [N, V] float32 -> N token ids, and N logprob dicts (None where not asked)."""
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, params, seed_offsets)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(logits, params, token_list)
+
+    def _sample(self, logits, params, seed_offsets):
+        temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=logits.device)
+        logits = logits / temps[:, None]
+        logits = apply_top_k(logits, [p.top_k for p in params])
+        logits = apply_top_p(logits, [p.top_p for p in params])
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        for i, p in enumerate(params):
+            gen = self.generator
+            if p.seed is not None:
+                gen = self._seeded.manual_seed((p.seed * 1_000_003 + seed_offsets[i]) % (1 << 63))
+            noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(logits, params, tokens):
+        wanted = [p.logprobs for p in params]
+        if all(w is None for w in wanted):
+            return [None] * len(params)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out = []
+        for i, w in enumerate(wanted):
+            if w is None:
+                out.append(None)
+                continue
+            entry = {tokens[i]: logprobs[i, tokens[i]].item()}
+            if w > 0:
+                top = logprobs[i].topk(w)
+                entry.update(zip(top.indices.tolist(), top.values.tolist()))
+            out.append(entry)
+        return out
+
+
+def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    if not any(top_ks):
+        return logits
+    vocab = logits.shape[-1]
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in top_ps):
+        return logits
+    p = torch.tensor(top_ps, device=logits.device)[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # drop a token when the mass strictly before it already reaches top_p (the first stays)
+    drop = (probs.cumsum(dim=-1) - probs) >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,146 @@
+"""Build one step's model inputs: token ids, positions, slot mapping, attention metadata.
+
+This is the one place where the step's tokens are laid out, so context parallelism
+partitions them here:
+- every array starts global, in request order (decodes first);
+- with PCP, `PCPManager.partition_inputs` keeps this rank's DualChunkSwap chunks (and
+  every decode), and attention gets the index that restores the gathered K/V;
+- with CP (pcp x dcp shards) the slot mapping stores each token on one rank only, and
+  paged attention reads each rank's shard length (`get_dcp_local_seq_lens`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from longserve.attention.metadata import AttentionMetadata, PagedPart, SuffixSegment
+from longserve.distributed.parallel_state import ParallelState
+from longserve.engine.scheduler import ScheduledRequest
+from longserve.worker.block_table import (compute_slot_mapping, get_dcp_local_seq_lens,
+                                          map_to_kernel_blocks)
+from longserve.worker.cp_utils import PCPManager
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T_local]
+    positions: torch.Tensor  # [T_local]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the (restored) hidden states to take logits of
+    num_local_tokens: int
+    is_pure_decode: bool
+
+
+@dataclass
+class CPLayout:
+    block_size: int  # per-rank tokens per block
+    cp_world_size: int
+    cp_rank: int
+    interleave_size: int
+    kernel_blocks_per_block: int = 1
+
+
+def build_block_table(block_ids: list[list[int]], width: int | None = None) -> np.ndarray:
+    width = max([len(b) for b in block_ids] + [1]) if width is None else width
+    table = np.zeros((len(block_ids), width), dtype=np.int32)
+    for i, ids in enumerate(block_ids):
+        table[i, :len(ids)] = ids
+    return table
+
+
+def prepare_step(reqs: list[ScheduledRequest], block_ids: list[list[int]], layout: CPLayout,
+                 ps: ParallelState, pcp: PCPManager | None, device, backend) -> StepInputs:
+    n = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
+    computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+    num_decodes = int(np.sum((n == 1) & (computed > 0)))
+    starts = np.concatenate(([0], np.cumsum(n)))
+    req_idx = np.repeat(np.arange(len(reqs)), n)
+    positions = computed[req_idx] + np.arange(starts[-1]) - starts[req_idx]
+    token_ids = np.fromiter((t for r in reqs for t in r.token_ids), np.int64, count=int(starts[-1]))
+    table = build_block_table(block_ids)
+    slots = compute_slot_mapping(table, req_idx, positions, layout.block_size,
+                                 layout.cp_world_size, layout.cp_rank, layout.interleave_size)
+    kernel_table = torch.from_numpy(map_to_kernel_blocks(table, layout.kernel_blocks_per_block))
+    kernel_table = kernel_table.to(device, non_blocking=True)
+    meta = AttentionMetadata(num_decode_tokens=num_decodes, num_tokens=0,
+                             slot_mapping=torch.from_numpy(slots).to(device), decode=None,
+                             ps=ps, backend=backend)
+    if pcp is not None and pcp.pcp_world_size > 1:
+        room = len(positions) + 2 * pcp.pcp_world_size * len(reqs)  # pads included
+        local_total, positions, req_idx = pcp.partition_inputs(
+            np.resize(positions, room), np.resize(req_idx, room), n, computed, np.arange(room),
+            reorder_batch_threshold=1)
+        token_ids = token_ids[pcp.local_token_indices[:local_total]]
+        if num_decodes < len(reqs):  # a pure decode step already has every K/V row locally
+            meta.pcp_kv_index = pcp.restore_unpad_idx
+        local_n = pcp.local_num_tokens_per_req.astype(np.int64)
+    else:
+        local_n = n
+    meta.num_tokens = len(positions)
+    seq_lens = torch.from_numpy(computed + n)
+    local_starts = np.concatenate(([0], np.cumsum(local_n)))
+    if num_decodes:
+        meta.decode = paged_part(np.arange(num_decodes + 1), cp_local(seq_lens[:num_decodes], layout),
+                                 kernel_table[:num_decodes], 1, device)
+    add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kernel_table, layout, ps,
+                      device)
+    sampling = np.array([r.sample for r in reqs])
+    logits_indices = torch.from_numpy(starts[1:][sampling] - 1).to(device)
+    return StepInputs(
+        input_ids=torch.from_numpy(token_ids).to(device), positions=torch.from_numpy(positions).to(device),
+        meta=meta, logits_indices=logits_indices, num_local_tokens=meta.num_tokens,
+        is_pure_decode=num_decodes == len(reqs))
+
+
+def cp_local(lens: torch.Tensor, layout: CPLayout) -> torch.Tensor:
+    """Tokens of each sequence that this rank's KV shard holds."""
+    if layout.cp_world_size == 1:
+        return lens
+    return get_dcp_local_seq_lens(lens, layout.cp_world_size, layout.cp_rank, layout.interleave_size)
+
+
+def paged_part(qsl: np.ndarray, kv_lens: torch.Tensor, table: torch.Tensor, max_q: int,
+               device) -> PagedPart:
+    kv_lens = kv_lens.to(torch.int32)
+    return PagedPart(query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+                     kv_lens=kv_lens.to(device), block_table=table, max_query_len=int(max_q),
+                     query_start_loc_cpu=qsl.tolist(), kv_lens_cpu=kv_lens.tolist())
+
+
+def add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kernel_table, layout,
+                      ps: ParallelState, device) -> None:
+    """Suffix segments (new tokens, causal) and the prefix part (cached context) of prefills."""
+    pcp_size, pcp_rank = ps.pcp.world_size, ps.pcp.rank_in_group
+    for i in range(num_decodes, len(n)):
+        meta.prefill_segments += suffix_segments(int(starts[i]), int(n[i]), int(local_starts[i]),
+                                                 int(local_starts[i + 1]), pcp_size, pcp_rank)
+    if not np.any(computed[num_decodes:] > 0):
+        return
+    local_n = np.diff(local_starts)[num_decodes:]
+    ctx = cp_local(torch.from_numpy(computed[num_decodes:]), layout)
+    # With PCP the prefix part runs over every PCP rank's prefill rows (rank-major, all
+    # ranks hold equally many rows per request): one row group per (rank, request).
+    rows = np.tile(local_n, pcp_size)
+    qsl = np.concatenate(([0], np.cumsum(rows)))
+    table = kernel_table[num_decodes:].repeat(pcp_size, 1)
+    meta.prefix = paged_part(qsl, ctx.repeat(pcp_size), table, rows.max(initial=1), device)
+
+
+def suffix_segments(k_start: int, n: int, q_start: int, q_end: int, pcp_size: int,
+                    pcp_rank: int) -> list[SuffixSegment]:
+    """One prefill's query rows against its new keys [k_start, k_start + n).
+
+    Without PCP the rows are the whole chunk. With PCP this rank holds chunk `r` (head) and
+    chunk `2W-1-r` (tail) of the padded chunk, each `c` rows: a chunk at offset a sees the
+    keys before it fully and its own keys causally; pad rows past n see every key."""
+    if pcp_size == 1:
+        return [SuffixSegment(q_start, q_end, k_start, k_start, k_start + n)]
+    c = (q_end - q_start) // 2
+    segs = []
+    for j, chunk in enumerate((pcp_rank, 2 * pcp_size - 1 - pcp_rank)):
+        a, b = min(chunk * c, n), min((chunk + 1) * c, n)
+        q0 = q_start + j * c
+        segs.append(SuffixSegment(q0, q0 + c, k_start, k_start + a, k_start + b))
+    return segs

@@ -1,0 +1,92 @@
+"""One process per rank: join the process groups, load the model, size the KV cache, run steps."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from longserve.config import EngineConfig
+from longserve.distributed.parallel_state import build_parallel_state
+from longserve.engine.scheduler import SchedulerOutput
+from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from longserve.worker.utils import MemorySnapshot, request_memory
+
+SHUTDOWN = "shutdown"
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
+                 local_rank: int | None = None):
+        self.config, self.rank = config, rank
+        world = config.parallel.world_size
+        if config.device == "cuda":
+            local_rank = rank % max(torch.cuda.device_count(), 1) if local_rank is None else local_rank
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+            self.init_snapshot = MemorySnapshot.measure(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if config.device == "cuda" else "gloo",
+                                    init_method=init_method, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=config.parallel.distributed_timeout_s))
+        self.ps = build_parallel_state(config.parallel, rank)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, self.ps, self.device)
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks every rank can hold (the minimum over ranks: one block id space)."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            n = cache.num_blocks
+        elif self.device.type == "cuda":
+            n = self._cuda_num_blocks()
+        else:
+            n = cache.cpu_kv_cache_bytes // self.runner.kv_bytes_per_block()
+        if self.config.parallel.world_size > 1:
+            t = torch.tensor([n], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            n = int(t.item())
+        return n
+
+    def _cuda_num_blocks(self) -> int:
+        budget = request_memory(self.init_snapshot, self.config.cache)
+        activation_peak = self.runner.profile_peak_memory()
+        used_now = MemorySnapshot.measure(self.device).used  # weights, context, other processes
+        graphs_reserve = 0 if self.config.enforce_eager else 512 << 20
+        free_for_kv = budget - used_now - activation_peak - graphs_reserve
+        return max(free_for_kv // self.runner.kv_bytes_per_block(), 0)
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.runner.capture_cudagraphs()
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute(out)
+
+
+def worker_main(config: EngineConfig, rank: int, init_method: str,
+                local_rank: int | None = None) -> None:
+    """Entry of a spawned worker: follow the driver's steps until it says shutdown."""
+    try:
+        worker = Worker(config, rank, init_method, local_rank)
+        worker.init_cache(worker.determine_num_blocks())
+        run_worker_loop(worker)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # peers see the closed connection at once instead of waiting for a timeout
+    dist.destroy_process_group()
+
+
+def run_worker_loop(worker: Worker) -> None:
+    while True:
+        out = worker.ps.model.broadcast_object(None)
+        if out == SHUTDOWN:
+            return
+        worker.execute(out)
