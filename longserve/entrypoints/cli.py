@@ -1,0 +1,134 @@
+"""The `longserve` command: `generate` and `bench`, with vLLM's flag names."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="builtin:qwen3-tiny",
+                   help="HF-format folder, or builtin:<name> (default: builtin:qwen3-tiny)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--cpu-kv-cache-gb", type=float, default=0.25)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: seeded random weights (benchmarks at real shapes)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-pcp", "--prefill-context-parallel-size", type=int, default=1)
+    p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
+    p.add_argument("--enable-sequence-parallel", action="store_true")
+
+
+ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "max_num_seqs",
+               "max_num_batched_tokens", "gpu_memory_utilization", "cpu_kv_cache_gb",
+               "enable_prefix_caching", "enforce_eager", "seed", "load_format",
+               "tensor_parallel_size", "prefill_context_parallel_size",
+               "decode_context_parallel_size", "data_parallel_size", "cp_kv_cache_interleave_size",
+               "enable_sequence_parallel")
+
+
+def make_llm(args):
+    from longserve import LLM
+    return LLM(args.model, **{k: getattr(args, k) for k in ENGINE_KEYS})
+
+
+def sampling_from_args(args):
+    from longserve import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.sampling_seed,
+                          ignore_eos=args.ignore_eos, stop=args.stop or None)
+
+
+def cmd_generate(args) -> None:
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        with open(args.prompt_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = ["Once upon a time", "Context parallelism splits a prompt"]
+    t0 = time.perf_counter()
+    llm = make_llm(args)
+    t_load = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, sampling_from_args(args))
+    elapsed = time.perf_counter() - t1
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    for o in outs:
+        print(json.dumps({"prompt": o.prompt, "text": o.outputs[0].text,
+                          "finish_reason": o.outputs[0].finish_reason}))
+    ttft = [o.metrics["time_to_first_token"] for o in outs]
+    print(f"model {args.model} on {llm.config.device} ({llm.config.dtype}): load {t_load:.2f} s, "
+          f"{len(outs)} prompts, {n_out} tokens in {elapsed:.2f} s ({n_out / elapsed:.1f} tok/s), "
+          f"mean time to first token {1000 * float(np.mean(ttft)):.1f} ms", file=sys.stderr)
+    llm.shutdown()
+
+
+def cmd_bench(args) -> None:
+    from longserve import SamplingParams
+    llm = make_llm(args)
+    rng = np.random.default_rng(args.seed)
+    vocab = llm.config.model.vocab_size
+    prompts = [{"prompt_token_ids": rng.integers(10, vocab - 10, args.input_len).tolist()}
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = np.array([o.metrics["time_to_first_token"] for o in outs])
+    result = dict(model=args.model, device=llm.config.device, num_prompts=args.num_prompts,
+                  input_len=args.input_len, output_len=args.output_len, elapsed_s=round(elapsed, 3),
+                  output_tok_s=round(n_out / elapsed, 1),
+                  total_tok_s=round((n_out + args.num_prompts * args.input_len) / elapsed, 1),
+                  ttft_mean_ms=round(1000 * float(ttft.mean()), 2),
+                  ttft_p50_ms=round(1000 * float(np.median(ttft)), 2))
+    print(json.dumps(result))
+    llm.shutdown()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="longserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--prompt-file", help="a file with one prompt per line")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="offline throughput and time to first token")
+    add_engine_args(bench)
+    bench.add_argument("--input-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=32)
+    bench.add_argument("--num-prompts", type=int, default=16)
+    bench.set_defaults(func=cmd_bench)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"longserve: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

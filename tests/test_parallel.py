@@ -1,0 +1,99 @@
+"""Every parallel layout gives the greedy tokens of one rank, logits within 1e-4 (gloo, float32).
+
+Each case starts real worker processes (one per rank) that talk over gloo.
+"""
+import pytest
+import torch
+
+from hf_models import VOCAB, make_hf_model
+from longserve import LLM, SamplingParams
+
+# Prompt lengths 5..40 force PCP padding (not multiples of 2*pcp) and span several blocks.
+LENGTHS = (5, 17, 33, 40)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    paths = {}
+    for arch in ("llama", "qwen2", "qwen3"):
+        paths[arch] = str(tmp_path_factory.mktemp(arch))
+        make_hf_model(arch, paths[arch])
+    return paths
+
+
+def run(path, prompts, vocab=VOCAB, **kw):
+    llm = LLM(path, device="cpu", **kw)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=vocab, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        kv = llm.engine.kv
+        assert kv.num_free_blocks == kv.num_blocks and not llm.engine.scheduler.has_unfinished()
+        return outs, kv
+    finally:
+        llm.shutdown()
+
+
+def prompts(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def assert_same(outs, ref):
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            x = torch.tensor([a[k] for k in sorted(b)])
+            y = torch.tensor([b[k] for k in sorted(b)])
+            assert torch.allclose(x, y, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+def test_tensor_parallel(models, arch, sp):
+    ps = prompts()
+    ref, _ = run(models[arch], ps)
+    outs, _ = run(models[arch], ps, tensor_parallel_size=2, enable_sequence_parallel=sp)
+    assert_same(outs, ref)
+
+
+def test_tp4_replicates_the_single_kv_head():
+    ps = prompts()
+    ref, _ = run("builtin:llama-tiny-mqa", ps, vocab=512)
+    outs, _ = run("builtin:llama-tiny-mqa", ps, vocab=512, tensor_parallel_size=4)
+    assert_same(outs, ref)
+
+
+CP_CASES = {
+    "pcp2": dict(prefill_context_parallel_size=2),
+    "pcp2-chunked": dict(prefill_context_parallel_size=2, max_num_batched_tokens=16),
+    "tp2-dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+    "pcp2-interleave-block": dict(prefill_context_parallel_size=2, block_size=8,
+                                  cp_kv_cache_interleave_size=8, max_num_batched_tokens=24),
+    "pcp2-tp2-dcp2": dict(prefill_context_parallel_size=2, tensor_parallel_size=2,
+                          decode_context_parallel_size=2, max_num_batched_tokens=24),
+}
+
+
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_context_parallel(models, case):
+    ps = prompts()
+    ref, _ = run(models["llama"], ps)
+    outs, kv = run(models["llama"], ps, **CP_CASES[case])
+    assert_same(outs, ref)
+
+
+def test_context_parallel_prefix_cache_hits(models):
+    """The second round hits the sharded prefix cache; tokens stay those of one rank."""
+    ps = prompts()
+    ref, _ = run(models["qwen3"], ps + ps, block_size=4)
+    llm = LLM(models["qwen3"], device="cpu", prefill_context_parallel_size=2, block_size=4)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=VOCAB, ignore_eos=True)
+        first = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        second = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        assert llm.engine.kv.num_cached_tokens_hit > 0
+        assert_same(first + second, ref)
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    finally:
+        llm.shutdown()
