@@ -59,6 +59,9 @@ class TorchAttentionBackend:
             v = ps.pcp.all_gather(v, 0)[meta.pcp_kv_index]
         if layer.kv_sharing_target is None:
             self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping)
+            meta.step_kv[layer.layer_idx] = (k, v)
+        else:  # cross-layer KV sharing: the target's K/V, for the new tokens and the cache alike
+            k, v = meta.step_kv[layer.kv_sharing_target]
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:

@@ -57,3 +57,5 @@ class AttentionMetadata:
     pcp_kv_index: torch.Tensor | None = None
     ps: ParallelState = field(default_factory=single_rank_state)
     backend: object = None  # the AttentionBackend instance
+    # layer index -> this step's (K, V) rows, for layers that read another layer's KV
+    step_kv: dict = field(default_factory=dict)

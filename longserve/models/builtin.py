@@ -13,6 +13,9 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from longserve.config import ModelConfig
+from longserve.models.loader import checkpoint_shapes
+
 TINY_COMMON = dict(vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6,
                    bos_token_id=1, eos_token_id=2, torch_dtype="float32")
 
@@ -102,35 +105,11 @@ def write_builtin(name: str, path: str, seed: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def hf_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // nh
-    qwen2, qwen3 = cfg["model_type"] == "qwen2", cfg["model_type"] == "qwen3"
-    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (nh * d, h),
-                       p + "self_attn.k_proj.weight": (nkv * d, h),
-                       p + "self_attn.v_proj.weight": (nkv * d, h),
-                       p + "self_attn.o_proj.weight": (h, nh * d),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter)})
-        if qwen2:
-            shapes.update({p + f"self_attn.{x}_proj.bias": (n * d,)
-                           for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
-        if qwen3:
-            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
-    return shapes
-
-
 def random_hf_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in sorted(hf_tensor_shapes(cfg).items()):
+    shapes = checkpoint_shapes(ModelConfig.from_hf_dict("builtin", cfg))
+    for name, shape in sorted(shapes.items()):
         if "norm" in name:
             out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:  # std 0.1 on tiny matrices gives peaked, stable next-token distributions

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from longserve.config import ModelConfig
 from longserve.distributed.parallel_state import ParallelState
-from longserve.models.llama import LlamaForCausalLM, checkpoint_to_param_name
+from longserve.models.llama import STACKED_PARAMS, LlamaForCausalLM, checkpoint_to_param_name
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -53,7 +53,8 @@ def safetensors_files(path: str) -> list[str]:
 
 def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    shapes = checkpoint_shapes(cfg)
+    loaded: set[tuple] = set()
     for file in safetensors_files(cfg.path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
@@ -61,24 +62,59 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # some tied checkpoints still carry a copy
-                load_one(params, name, f.get_tensor(name), file, loaded)
-    missing = [n for n in params if n not in loaded
+                load_one(params, name, f.get_tensor(name), file, loaded, shapes)
+    missing = [f"{n} ({shard})" if shard is not None else n
+               for n in params for shard in expected_shards(n) if (n, shard) not in loaded
                and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
         raise ValueError(f"weights missing from {cfg.path!r}: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
 
 
-def load_one(params: dict, name: str, tensor: torch.Tensor, file: str, loaded: set) -> None:
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name and full shape of every tensor a HF checkpoint of this architecture holds."""
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (nh * d, h),
+                       p + "self_attn.k_proj.weight": (nkv * d, h),
+                       p + "self_attn.v_proj.weight": (nkv * d, h),
+                       p + "self_attn.o_proj.weight": (h, nh * d),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+        if cfg.attention_bias:
+            shapes.update({p + f"self_attn.{x}_proj.bias": (n * d,)
+                           for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return shapes
+
+
+def load_one(params: dict, name: str, tensor: torch.Tensor, file: str, loaded: set,
+             shapes: dict) -> None:
     param_name, shard = checkpoint_to_param_name(name)
     param = params.get(param_name)
-    if param is None:
+    if param is None or name not in shapes:
         raise ValueError(f"unexpected tensor {name!r} in {file}")
+    if tuple(tensor.shape) != shapes[name]:
+        raise ValueError(f"tensor {name!r} in {file} has shape {tuple(tensor.shape)}; "
+                         f"the config asks for {shapes[name]}")
     try:
         param.weight_loader(param, tensor.to(param.dtype), shard)
     except ValueError as e:
         raise ValueError(f"tensor {name!r} in {file}: {e}") from None
-    loaded.add(param_name)
+    loaded.add((param_name, shard))
+
+
+def expected_shards(param_name: str) -> list:
+    """The checkpoint pieces a (possibly fused) parameter is made of."""
+    shards = [shard for _, ours, shard in STACKED_PARAMS if ours in param_name]
+    return shards or [None]
 
 
 @torch.no_grad()
