@@ -1,0 +1,30 @@
+"""A host tensor paired with a device tensor of the same shape.
+
+Step inputs are built on the host (numpy, through `.np`, which shares memory with
+`.cpu`) and then copied once to the device. Pinned host memory makes that copy
+asynchronous on CUDA; it needs a CUDA build, so it is off by default.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class CpuGpuBuffer:
+    def __init__(self, *size: int, dtype: torch.dtype, device: torch.device | str,
+                 pin_memory: bool = False):
+        self.cpu = torch.zeros(*size, dtype=dtype, device="cpu", pin_memory=pin_memory)
+        self.np: np.ndarray = self.cpu.numpy()
+        self.gpu = torch.zeros_like(self.cpu, device=device)
+
+    def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
+        """Copy the first `n` rows (all when None) to the device; return that device slice."""
+        if n is None:
+            return self.gpu.copy_(self.cpu, non_blocking=True)
+        return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+
+    def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
+        """Copy the first `n` rows back to the host (blocking, so `.np` is valid after)."""
+        if n is None:
+            return self.cpu.copy_(self.gpu)
+        return self.cpu[:n].copy_(self.gpu[:n])
