@@ -217,14 +217,16 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
 def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     """Fused attention that also returns the LSE (cuDNN, else flash), [S, H, D] layout."""
-    if k.shape[0] == 0:
-        return reference_attention(q, k, v, causal, scale)
+    if k.shape[0] == 0 or q.device.type != "cuda":
+        out, lse = reference_attention(q, k, v, causal, scale)
+        return out.to(q.dtype), lse
     group = q.shape[1] // k.shape[1]
     qt = q.transpose(0, 1).unsqueeze(0)
     kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     if causal and q.shape[0] > k.shape[0]:  # rows past the keys: see every key (pad rows)
-        return reference_attention(q, k, v, causal, scale)
+        out, lse = reference_attention(q, k, v, causal, scale)
+        return out.to(q.dtype), lse
     try:
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
