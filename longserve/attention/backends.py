@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longserve.attention.cp_attention import correct_attn_out, merge_attn_states
 from longserve.attention.metadata import AttentionMetadata, PagedPart
@@ -186,6 +187,9 @@ def reference_attention(q, k, v, causal: bool, scale: float):
     return out, lse.transpose(0, 1).contiguous()
 
 
+FUSED_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
 class TritonAttentionBackend(TorchAttentionBackend):
     """CUDA: Triton kernels for the paged cache, cuDNN / flash SDPA for the new tokens."""
     name = "TRITON"
@@ -207,12 +211,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def dense_attention(q, k, v, causal, scale, need_lse):
-        if not need_lse:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=causal,
-                scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-            return out.transpose(0, 1), None
-        return sdpa_with_lse(q, k, v, causal, scale)
+        if need_lse or (causal and q.shape[0] > k.shape[0]):
+            return sdpa_with_lse(q, k, v, causal, scale)
+        group = q.shape[1] // k.shape[1]  # fused kernels want [B, H, S, D] and equal heads
+        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in
+                      (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+        with sdpa_kernel(FUSED_SDPA):  # never the math fallback: it materialises S x S scores
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+        return out[0].transpose(0, 1), None
 
 
 def sdpa_with_lse(q, k, v, causal: bool, scale: float):
@@ -224,14 +230,36 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     qt = q.transpose(0, 1).unsqueeze(0)
     kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    if causal and q.shape[0] > k.shape[0]:  # rows past the keys: see every key (pad rows)
+    if causal and q.shape[0] > k.shape[0]:  # rows past the keys (PCP pads) see every key
+        n = k.shape[0]
+        o1, l1 = sdpa_with_lse(q[:n], k, v, True, scale)
+        o2, l2 = sdpa_with_lse(q[n:], k, v, False, scale)
+        return torch.cat([o1, o2]), torch.cat([l1, l2])
+    res = None
+    for op in (_cudnn_with_lse, _flash_with_lse, _efficient_with_lse):
+        try:
+            res = op(qt, kt, vt, causal, scale)
+            break
+        except (RuntimeError, TypeError, NotImplementedError):
+            continue
+    if res is None:
         out, lse = reference_attention(q, k, v, causal, scale)
         return out.to(q.dtype), lse
-    try:
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qt, kt, vt, None, True, 0.0, causal, False, scale=scale)
-    except RuntimeError:
-        res = torch.ops.aten._scaled_dot_product_flash_attention(
-            qt, kt, vt, 0.0, causal, False, scale=scale)
     out, lse = res[0], res[1]
     return out[0].transpose(0, 1), lse[0].float().transpose(0, 1).reshape(q.shape[0], q.shape[1])
+
+
+# The fused SDPA kernels that return the LSE are private ATen ops: [B, H, S, D] in,
+# (out [B, H, S, D], lse [B, H, S]) out.
+def _cudnn_with_lse(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
+                                                              False, scale=scale)
+
+
+def _flash_with_lse(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+
+
+def _efficient_with_lse(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                  scale=scale)
