@@ -114,6 +114,7 @@ class Executor:
         for p in self.procs:
             p.join(timeout=10)
         self._kill_all()
+        self.driver.close()
         try:
             import torch.distributed as dist
             if dist.is_initialized():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 import traceback
@@ -68,6 +69,13 @@ class Worker:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(out)
+
+    def close(self) -> None:
+        """Drop the model, KV cache and graphs so the device memory is free for the next engine."""
+        self.runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str,

@@ -1,0 +1,415 @@
+"""Triton kernels for the paged KV cache: store, paged attention with LSE, merge.
+
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; K = [0], V = [1].
+A slot is `block_id * block_size + offset`, so `k_cache.view(-1, Hkv, D)[slot]` is one token's key.
+
+Every launch decision below (grid, block sizes, number of KV splits) is a function of tensor
+shapes and of the ints the caller passes, never of tensor values, so the kernels can be
+captured in CUDA graphs. Everything also runs under TRITON_INTERPRET=1 on CPU tensors.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # 1 / ln(2): scores go through exp2
+
+
+# --------------------------------------------------------------------------------------
+# store_kv: scatter this step's keys and values into their cache slots
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,  # key/value [T, H, D], last dim contiguous
+    stride_cslot, stride_ch,  # cache viewed as [num_slots, H, D]
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding row, or a token that another context-parallel rank stores
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < H) & (d < D)
+    dst = slot * stride_cslot + h * stride_ch + d
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value [T, Hkv, D] (any stride on dims 0-1), k_cache/v_cache [N, B, Hkv, D],
+    slot_mapping [T] int64; slot -1 leaves the cache untouched."""
+    T, H, D = key.shape
+    if T == 0:
+        return
+    assert value.shape == key.shape and slot_mapping.shape == (T,)
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "head_dim must be contiguous"
+    assert k_cache.stride() == v_cache.stride() and k_cache.shape[2:] == (H, D)
+    assert k_cache.stride(-1) == 1 and k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
+    _store_kv_kernel[(T,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(1), k_cache.stride(2),
+        H=H, D=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4 if H * D <= 4096 else 8,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# paged attention with LSE (decode, and prefix attention of prefill chunks)
+#
+# One program owns (a tile of query rows of one request) x (one KV head) x (one KV split).
+# The tile's M dimension holds BLOCK_Q query rows times the G query heads that share the
+# KV head (row m = query row m // G, head m % G), so every K/V tile read from the cache
+# feeds G * BLOCK_Q rows of tensor-core work. KV is walked in tiles of BLOCK_N tokens whose
+# slots are looked up in the block table, with an online softmax in float32.
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # CPU interpreter: its tl.dot multiplies bf16 bit patterns as integers
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, PAD_PER_REQ: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    """The request whose q-tiles hold program `pid`. Request r owns programs
+    [start(r), start(r+1)) with start(r) = qsl[r] // BLOCK_Q + r * PAD_PER_REQ, a monotone
+    upper bound of its q-tile count that needs no prefix sum; r = #{start(r) <= pid} - 1.
+    One vector load of all R starts (BLOCK_R >= R): a single memory round trip."""
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < num_reqs
+    start = tl.load(qsl_ptr + r, mask=r_ok, other=0) // BLOCK_Q + r * PAD_PER_REQ
+    return tl.sum(((start <= pid) & r_ok).to(tl.int32), axis=0) - 1
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, qk_scale,
+                 D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One online-softmax step over the KV tokens [n0, n0 + BLOCK_N) of one request and KV head.
+    TAIL: the tile may run past kv_end (only the last tile does, so only it pays for masking).
+    acc [M, D] float32, m_i / l_i [M] running max (log2 units) and sum of exp2."""
+    n = n0 + tl.arange(0, BLOCK_N)  # logical token positions [N]
+    d = tl.arange(0, BLOCK_D)
+    if TAIL:
+        n_ok = n < kv_end
+    else:
+        n_ok = tl.full([BLOCK_N], 1, tl.int1)
+    # physical row of each token, through the block table
+    if PAGE % BLOCK_N == 0:  # the whole tile lies in one page
+        page = tl.load(bt_row + n0 // PAGE).to(tl.int64)
+    else:
+        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)  # [N]
+    tok = page * stride_kn + (n % PAGE) * stride_kb  # [N]
+
+    k_t = tl.load(k_ptr + tok[None, :] + d[:, None],
+                  mask=n_ok[None, :] & (d < D)[:, None], other=0.0)  # [D, N]
+    s = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST)  # [M, N] unscaled scores
+    if TAIL:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)  # rescales what was summed so far
+    p = tl.exp2(s * qk_scale - m_new[:, None])  # scale folded into one FMA
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + tok[:, None] + d[None, :],
+                mask=n_ok[:, None] & (d < D)[None, :], other=0.0)  # [N, D]
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, kv_lens_ptr,
+    out_ptr, lse_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    num_reqs,
+    stride_qt, stride_qh,  # q [T, Hq, D]
+    stride_kn, stride_kb, stride_kh,  # k/v cache [N, B, Hkv, D]
+    stride_bt,  # block table [R, max_blocks]
+    stride_os, stride_ot, stride_oh,  # out [S, T, Hq, D] (stride_os = 0 when not split)
+    stride_ls, stride_lt, stride_lh,  # lse [S, T, Hq]
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, PAD_PER_REQ: tl.constexpr, SPLIT_TAIL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, PAD_PER_REQ, BLOCK_R)
+    q_start = tl.load(qsl_ptr + req)
+    q_end = tl.load(qsl_ptr + req + 1)
+    row0 = q_start + (pid - (q_start // BLOCK_Q + req * PAD_PER_REQ)) * BLOCK_Q
+    if row0 >= q_end:  # spare program of the upper-bound grid
+        return
+
+    # M rows: (query row, query head) pairs of this tile
+    m = tl.arange(0, BLOCK_M)
+    row = row0 + m // G  # [M]
+    head = kv_head * G + m % G  # [M]
+    row_ok = (m < BLOCK_Q * G) & (row < q_end)
+    d = tl.arange(0, BLOCK_D)
+    md_ok = row_ok[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + row.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=md_ok, other=0.0)  # [M, D]
+
+    # this split's share of the request's KV, in whole tiles
+    kv_len = tl.load(kv_lens_ptr + req)
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_begin = split * per_split
+    kv_end = tl.minimum(kv_begin + per_split, kv_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_ptr = k_cache_ptr + kv_head * stride_kh
+    v_ptr = v_cache_ptr + kv_head * stride_kh
+    if SPLIT_TAIL:  # compute-bound tiles: whole tiles unmasked, only the last one masked
+        full_end = kv_begin + tl.maximum(kv_end - kv_begin, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(kv_begin, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr,
+                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
+                                         False, DOT_PRECISION, DOT_UPCAST)
+        if full_end < kv_end:
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, full_end, kv_end, bt_row, k_ptr, v_ptr,
+                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
+                                         True, DOT_PRECISION, DOT_UPCAST)
+    else:  # memory-bound decode: one masked loop pipelines best (measured)
+        for n0 in range(kv_begin, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr,
+                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
+                                         True, DOT_PRECISION, DOT_UPCAST)
+
+    # an empty range (kv_len == 0, or a split past the end) gives out 0 and lse -inf
+    nonempty = l_i > 0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln(2)
+
+    o_off = (split.to(tl.int64) * stride_os + row.to(tl.int64)[:, None] * stride_ot
+             + head[:, None] * stride_oh + d[None, :])
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=md_ok)
+    l_off = split.to(tl.int64) * stride_ls + row.to(tl.int64) * stride_lt + head * stride_lh
+    tl.store(lse_ptr + l_off, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    stride_ps, stride_pt, stride_ph,  # part_out [S, T, H, D]
+    stride_qs, stride_qt, stride_qh,  # part_lse [S, T, H]
+    stride_ot, stride_oh, stride_lt, stride_lh,  # out [T, H, D], lse [T, H]
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    lse_row = part_lse_ptr + t * stride_qt + h * stride_qh
+    out_row = part_out_ptr + t * stride_pt + h * stride_ph
+    s = tl.arange(0, BLOCK_S).to(tl.int64)
+    lse = tl.load(lse_row + s * stride_qs, mask=s < NUM_SPLITS, other=float("-inf"))  # [S]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp(lse - m), axis=0)  # empty splits weigh 0
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, CHUNK_S):
+        sc = (s0 + tl.arange(0, CHUNK_S)).to(tl.int64)
+        sc_ok = sc < NUM_SPLITS
+        w = tl.exp(tl.load(lse_row + sc * stride_qs, mask=sc_ok, other=float("-inf")) - m)  # [C]
+        o = tl.load(out_row + sc[:, None] * stride_ps + d[None, :],
+                    mask=sc_ok[:, None] & (d < D)[None, :], other=0.0)  # [C, D]
+        acc += tl.sum(tl.where(w[:, None] > 0, o * w[:, None], 0.0), axis=0)
+    denom_safe = tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / denom_safe).to(out_ptr.dtype.element_ty),
+             mask=d < D)
+    tl.store(lse_ptr + t * stride_lt + h * stride_lh,
+             tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter on CPU: small, so tests exercise the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.device) -> int:
+    """Enough splits for ~2 programs per SM, but >= 256 tokens a split (the block table's
+    width bounds the context) and at most 256 splits. Shapes only, so graph-safe."""
+    want = triton.cdiv(2 * _num_sms(device), max(num_programs, 1))
+    return max(1, min(want, triton.cdiv(max_context, 256), 256))
+
+
+def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: torch.device):
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages), from shapes only.
+    Tuned on H100 with bf16, D = 128."""
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    on_gpu = device.type == "cuda"
+    if max_query_len <= 1:  # decode: only the G heads of the KV head on M
+        BLOCK_Q = 1
+    else:  # prefix attention: fill M with query rows x heads; 128 rows only when that
+        # still gives 2 programs per SM (else fewer, smaller tiles balance better)
+        target_m = 128 if BLOCK_D <= 128 else 64
+        if triton.cdiv(T, max(1, target_m // G)) * Hkv < 2 * _num_sms(device):
+            target_m = 64
+        BLOCK_Q = max(1, min((target_m if on_gpu else 16) // G, max_query_len))
+    BLOCK_M = max(16, triton.next_power_of_2(BLOCK_Q * G))
+    if not on_gpu:
+        return BLOCK_Q, BLOCK_M, 16, BLOCK_D, 4, 1
+    if BLOCK_M >= 128:  # compute-bound prefix tiles
+        return BLOCK_Q, BLOCK_M, 32, BLOCK_D, 8, 3
+    if BLOCK_Q == 1:  # decode: memory-bound, deep pipeline
+        return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 3
+    return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
+
+
+def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                        kv_lens: torch.Tensor, scale: float, max_query_len: int,
+                        num_kv_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of each request's query rows over its first kv_lens[r] cached tokens.
+
+    q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks] int32;
+    query_start_loc [R + 1] int32; kv_lens [R] int32. Returns out [T, Hq, D] (q's dtype) and
+    lse [T, Hq] float32 (natural log). Rows outside query_start_loc[0]:query_start_loc[R]
+    are left unwritten. max_query_len (>= the longest request's row count) only picks the
+    tiling; num_kv_splits=None picks the split count from shapes. Graph-capturable.
+    """
+    T, Hq, D = q.shape
+    _, B, Hkv, Dk = k_cache.shape
+    R = kv_lens.shape[0]
+    assert Dk == D and Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert v_cache.stride() == k_cache.stride() and query_start_loc.shape[0] == R + 1
+    G = Hq // Hkv
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)
+    if T == 0 or R == 0:
+        return out, lse
+
+    on_gpu = q.device.type == "cuda"
+    BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages = _attn_tiles(
+        G, D, T, Hkv, max_query_len, q.device)
+    # request r owns q-tile programs [qsl[r] // BLOCK_Q + r * pad, ...): see _find_request
+    pad = 0 if BLOCK_Q == 1 else 1
+    num_q_tiles = T // BLOCK_Q + R * pad
+    if num_kv_splits is None:
+        busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
+        num_kv_splits = _default_num_kv_splits(busy, block_table.shape[1] * B, q.device)
+
+    if num_kv_splits == 1:  # write the final result directly
+        o_buf, l_buf = out, lse
+        o_strides = (0, out.stride(0), out.stride(1))
+        l_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        o_buf = torch.empty(num_kv_splits, T, Hq, D, dtype=torch.float32, device=q.device)
+        l_buf = torch.empty(num_kv_splits, T, Hq, dtype=torch.float32, device=q.device)
+        o_strides = o_buf.stride()[:3]
+        l_strides = l_buf.stride()
+
+    _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
+        q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf,
+        scale * LOG2E, R,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        *o_strides, *l_strides,
+        G=G, D=D, PAGE=B, NUM_SPLITS=num_kv_splits,
+        BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        BLOCK_R=triton.next_power_of_2(R), PAD_PER_REQ=pad, SPLIT_TAIL=BLOCK_Q > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
+        DOT_UPCAST=not on_gpu or os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_kv_splits > 1:
+        _merge_splits_kernel[(T, Hq)](
+            o_buf, l_buf, out, lse,
+            *o_buf.stride()[:3], *l_buf.stride(),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            NUM_SPLITS=num_kv_splits, D=D, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            CHUNK_S=min(16, triton.next_power_of_2(num_kv_splits)), BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4,
+        )
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------
+# merge of two partial attention states (e.g. prefix over the cache + causal suffix)
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _merge_two_kernel(
+    out_ptr, out_lse_ptr, p_out_ptr, p_lse_ptr, s_out_ptr, s_lse_ptr,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_st, stride_sh,  # outs [T, H, D]
+    stride_plt, stride_plh, stride_slt, stride_slh, stride_olt, stride_olh,  # lses [T, H]
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < H
+    hd_ok = h_ok[:, None] & (d < D)[None, :]
+    pl = tl.load(p_lse_ptr + t * stride_plt + h * stride_plh, mask=h_ok, other=float("-inf"))
+    sl = tl.load(s_lse_ptr + t * stride_slt + h * stride_slh, mask=h_ok, other=float("-inf"))
+    # NaN or +inf lse: an empty/broken state, weigh it 0
+    pl = tl.where((pl != pl) | (pl == float("inf")), float("-inf"), pl)
+    sl = tl.where((sl != sl) | (sl == float("inf")), float("-inf"), sl)
+    m = tl.maximum(pl, sl)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    wp = tl.exp(pl - m)
+    ws = tl.exp(sl - m)
+    denom = wp + ws
+    denom_safe = tl.where(denom > 0, denom, 1.0)
+    po = tl.load(p_out_ptr + t * stride_pt + h[:, None] * stride_ph + d[None, :], mask=hd_ok, other=0.0)
+    so = tl.load(s_out_ptr + t * stride_st + h[:, None] * stride_sh + d[None, :], mask=hd_ok, other=0.0)
+    # skip a weight-0 state entirely: its output may be garbage or NaN
+    out = (tl.where(wp[:, None] > 0, po.to(tl.float32) * (wp / denom_safe)[:, None], 0.0)
+           + tl.where(ws[:, None] > 0, so.to(tl.float32) * (ws / denom_safe)[:, None], 0.0))
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hd_ok)
+    if WRITE_LSE:
+        tl.store(out_lse_ptr + t * stride_olt + h * stride_olh,
+                 tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")), mask=h_ok)
+
+
+def merge_attn_states_triton(output: torch.Tensor, prefix_out: torch.Tensor, prefix_lse: torch.Tensor,
+                             suffix_out: torch.Tensor, suffix_lse: torch.Tensor,
+                             output_lse: torch.Tensor | None = None) -> None:
+    """output [T, H, D] = softmax-weighted merge of two attention states over disjoint keys.
+
+    outs [T, H, D], lses [T, H] float32 (natural log). NaN / +inf lse count as -inf; a row
+    where both are -inf gets output 0 and lse -inf. output_lse, if given, gets the merged lse.
+    """
+    T, H, D = output.shape
+    if T == 0:
+        return
+    for x in (output, prefix_out, suffix_out):
+        assert x.shape == (T, H, D) and x.stride(-1) == 1
+    lse_out = output_lse if output_lse is not None else prefix_lse  # dummy when not written
+    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_H = min(triton.next_power_of_2(H), max(1, 2048 // BLOCK_D))  # ~2K elements a program
+    _merge_two_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        output, lse_out, prefix_out, prefix_lse, suffix_out, suffix_lse,
+        output.stride(0), output.stride(1), prefix_out.stride(0), prefix_out.stride(1),
+        suffix_out.stride(0), suffix_out.stride(1),
+        prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
+        lse_out.stride(0), lse_out.stride(1),
+        H=H, D=D, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, WRITE_LSE=output_lse is not None,
+        num_warps=4,
+    )

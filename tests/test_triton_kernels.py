@@ -1,0 +1,382 @@
+"""Triton kernels of longserve.attention.triton_kernels against float64 torch references.
+
+On CPU the kernels run under the Triton interpreter. TRITON_INTERPRET must be set before a
+kernel module is imported (triton.jit reads it at decoration time), and another test module
+may already have imported things in this process, so unless this process was started with
+TRITON_INTERPRET=1 the CPU checks run once in a child process (this file as a script, with
+the variable set) and each test reports its own entry of that run. With CUDA the same checks
+also run here, directly on the GPU, in float32 and bfloat16 at larger sizes. (Triton 3.6's
+interpreter cannot loop over run-time bounds; there the interpreter checks report skipped.)
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available() and not INTERPRET
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _kernels():
+    from longserve.attention import triton_kernels
+    return triton_kernels
+
+
+# ----------------------------------------------------------------------------------------
+# float64 references, written as loops
+# ----------------------------------------------------------------------------------------
+
+def ref_store_kv(key, value, k_cache, v_cache, slot_mapping):
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_flat[slot] = key[t]
+            v_flat[slot] = value[t]
+
+
+def ref_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, kv_lens, scale):
+    """Every query row of request r attends (no mask) to its first kv_lens[r] cached tokens."""
+    T, Hq, D = q.shape
+    B, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(T, Hq, D, dtype=torch.float64)
+    lse = torch.full((T, Hq), -math.inf, dtype=torch.float64)
+    qsl = query_start_loc.tolist()
+    for r, kv_len in enumerate(kv_lens.tolist()):
+        if kv_len == 0 or qsl[r] == qsl[r + 1]:
+            continue
+        slots = [int(block_table[r, j // B]) * B + j % B for j in range(kv_len)]
+        k = k_cache.reshape(-1, Hkv, D)[slots].double().cpu().repeat_interleave(G, dim=1)  # [L, Hq, D]
+        v = v_cache.reshape(-1, Hkv, D)[slots].double().cpu().repeat_interleave(G, dim=1)
+        qr = q[qsl[r]:qsl[r + 1]].double().cpu()  # [rows, Hq, D]
+        s = torch.einsum("thd,lhd->thl", qr, k) * scale
+        lse[qsl[r]:qsl[r + 1]] = torch.logsumexp(s, dim=-1)
+        out[qsl[r]:qsl[r + 1]] = torch.einsum("thl,lhd->thd", torch.softmax(s, dim=-1), v)
+    return out, lse
+
+
+def ref_merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
+    T, H, D = prefix_out.shape
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    lse = torch.full((T, H), -math.inf, dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            lses = [float(prefix_lse[t, h]), float(suffix_lse[t, h])]
+            lses = [-math.inf if (math.isnan(x) or x == math.inf) else x for x in lses]
+            m = max(lses)
+            if m == -math.inf:
+                continue
+            w = [math.exp(x - m) for x in lses]
+            for wi, o in zip(w, (prefix_out[t, h], suffix_out[t, h])):
+                if wi > 0:  # an empty state's output may be anything, NaN too
+                    out[t, h] += wi * o.double().cpu() / sum(w)
+            lse[t, h] = m + math.log(sum(w))
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------
+
+def _randn(*shape, dtype, device, gen):
+    """Random data that is never exactly zero."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float32)
+    x = torch.where(x.abs() < 1e-2, torch.full_like(x, 0.5), x)
+    return x.to(dtype=dtype, device=device)
+
+
+def make_attention_case(kv_lens, q_lens, Hkv, G, D, B, dtype, device, seed=0, pad_rows=0):
+    """A paged cache with shuffled block ids, and q as a strided slice of a wider tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    R = len(kv_lens)
+    max_blocks = max(1, max(-(-n // B) for n in kv_lens)) + 1  # one spare column
+    num_blocks = R * max_blocks + 3
+    kv_cache = _randn(2, num_blocks, B, Hkv, D, dtype=dtype, device=device, gen=gen)
+    perm = torch.randperm(num_blocks, generator=gen)[: R * max_blocks]
+    block_table = perm.view(R, max_blocks).to(torch.int32).to(device)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    T = sum(q_lens) + pad_rows  # pad_rows: CUDA-graph padding rows beyond query_start_loc[-1]
+    Hq = Hkv * G
+    wide = _randn(T, Hq + 3, D, dtype=dtype, device=device, gen=gen)
+    q = wide[:, 1:1 + Hq]  # strided on dims 0 and 1
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    return dict(q=q, k_cache=kv_cache[0], v_cache=kv_cache[1], block_table=block_table,
+                query_start_loc=qsl, kv_lens=lens, scale=D ** -0.5, max_query_len=max(q_lens))
+
+
+def _tol(dtype):
+    return {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def _check_attention(case, num_kv_splits=None, dtype=torch.float32):
+    tk = _kernels()
+    out, lse = tk.paged_attention_lse(**case, num_kv_splits=num_kv_splits)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
+    assert lse.dtype == torch.float32 and lse.shape == case["q"].shape[:2]
+    args = {k: v for k, v in case.items() if k != "max_query_len"}
+    ref_out, ref_lse = ref_paged_attention(**args)
+    n = int(case["query_start_loc"][-1])  # rows past it (padding) are not written
+    out, lse, ref_out, ref_lse = out[:n].double().cpu(), lse[:n].double().cpu(), ref_out[:n], ref_lse[:n]
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = ref_lse == -math.inf
+    assert torch.equal(lse == -math.inf, empty), "lse must be -inf exactly for empty requests"
+    assert (out[empty] == 0).all()
+    tol = _tol(dtype)
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=tol, rtol=tol)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# checks (each raises on failure); run under the interpreter on CPU, or on the GPU
+# ----------------------------------------------------------------------------------------
+
+def check_store_kv(device="cpu", dtype=torch.float32, T=11, Hkv=2, D=16, B=4, N=6):
+    tk = _kernels()
+    gen = torch.Generator().manual_seed(1)
+    Hq = 2 * Hkv
+    qkv = _randn(T, (Hq + 2 * Hkv) * D, dtype=dtype, device=device, gen=gen)
+    key = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)  # strided views of a fused qkv output
+    value = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    assert not key.is_contiguous()
+    slots = torch.randperm(N * B, generator=gen)[:T]
+    slots[[2, 5, T - 1]] = -1  # padding rows / tokens of another rank
+    slots = slots.to(torch.int64).to(device)
+    kv_cache = torch.full((2, N, B, Hkv, D), 1234.5, dtype=dtype, device=device)  # poison
+    expected = kv_cache.clone()
+    ref_store_kv(key, value, expected[0], expected[1], slots)
+    tk.store_kv(key, value, kv_cache[0], kv_cache[1], slots)
+    assert torch.equal(kv_cache, expected)
+    untouched = torch.ones(N * B, dtype=torch.bool)
+    untouched[slots[slots >= 0].cpu()] = False
+    assert (kv_cache.view(2, N * B, Hkv, D)[:, untouched.to(device)] == 1234.5).all()
+
+
+def check_attention_decode(G, device="cpu", dtype=torch.float32, D=16, B=4, Hkv=2,
+                           kv_lens=(5, 0, 13, 1, 8, 16)):
+    case = make_attention_case(list(kv_lens), [1] * len(kv_lens), Hkv, G, D, B, dtype, device, seed=G)
+    _check_attention(case, dtype=dtype)
+
+
+def check_attention_multirow(G, device="cpu", dtype=torch.float32, D=16, B=4, Hkv=2,
+                             kv_lens=(7, 0, 21, 4, 16), q_lens=(3, 2, 20, 0, 1)):
+    case = make_attention_case(list(kv_lens), list(q_lens), Hkv, G, D, B, dtype, device,
+                               seed=10 + G, pad_rows=3)
+    _check_attention(case, dtype=dtype)
+
+
+def check_attention_splits(device="cpu", dtype=torch.float32, G=2, D=16, B=4, Hkv=2,
+                           kv_lens=(37, 0, 5, 64), q_lens=(1, 2, 5, 1), splits=(1, 2, 3, 7, None)):
+    """Split and non-split paths agree (and with the reference), for multi-row (prefix) and
+    one-row (decode) queries; more splits than tiles too."""
+    for lens in (q_lens, [1] * len(kv_lens)):
+        case = make_attention_case(list(kv_lens), list(lens), Hkv, G, D, B, dtype, device, seed=3)
+        base_out, base_lse = _check_attention(case, num_kv_splits=1, dtype=dtype)
+        for s in splits[1:]:
+            out, lse = _check_attention(case, num_kv_splits=s, dtype=dtype)
+            tol = _tol(dtype)
+            torch.testing.assert_close(out, base_out, atol=tol, rtol=tol)
+            torch.testing.assert_close(lse, base_lse, atol=tol, rtol=tol)
+
+
+def check_attention_shapes(device="cpu", dtype=torch.float32):
+    """Head dim not a power of two, block sizes 1 and 16, G = 3."""
+    for D, B, G, Hkv in [(24, 1, 1, 2), (16, 16, 3, 1), (32, 16, 4, 1)]:
+        case = make_attention_case([18, 3, 33], [2, 1, 4], Hkv, G, D, B, dtype, device, seed=D + B)
+        _check_attention(case, dtype=dtype)
+
+
+def check_merge(device="cpu", dtype=torch.float32, T=9, H=3, D=24):
+    tk = _kernels()
+    gen = torch.Generator().manual_seed(5)
+    po = _randn(T, H + 1, D, dtype=dtype, device=device, gen=gen)[:, :H]  # strided
+    so = _randn(T, H, D, dtype=dtype, device=device, gen=gen)
+    pl = _randn(T, H, dtype=torch.float32, device=device, gen=gen) * 3
+    sl = _randn(T, H, dtype=torch.float32, device=device, gen=gen) * 3
+    pl[0, 0], sl[0, 0] = -math.inf, -math.inf  # both empty: out 0, lse -inf
+    pl[1, 1] = -math.inf
+    sl[2, 2] = math.nan
+    pl[3, 0] = math.inf
+    sl[4, 1], pl[4, 1] = math.nan, math.inf
+    po[1, 1] = math.nan  # an empty state's output must not leak NaN
+    out = torch.empty(T, H, D, dtype=dtype, device=device)
+    out_lse = torch.empty(T, H, dtype=torch.float32, device=device)
+    tk.merge_attn_states_triton(out, po, pl, so, sl, out_lse)
+    ref_out, ref_lse = ref_merge(po.cpu(), pl.cpu(), so.cpu(), sl.cpu())
+    tol = _tol(dtype)
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=tol, rtol=tol)
+    assert torch.equal(out_lse.cpu() == -math.inf, ref_lse == -math.inf)
+    fin = ref_lse != -math.inf
+    torch.testing.assert_close(out_lse.double().cpu()[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+    out2 = torch.empty_like(out)
+    tk.merge_attn_states_triton(out2, po, pl, so, sl)  # without output_lse
+    assert torch.equal(out2, out)
+
+
+INTERPRETER_CHECKS = {
+    "store_kv_fp32": lambda: check_store_kv(),
+    "store_kv_bf16": lambda: check_store_kv(dtype=torch.bfloat16),
+    "decode_g1": lambda: check_attention_decode(1),
+    "decode_g2": lambda: check_attention_decode(2),
+    "decode_g4": lambda: check_attention_decode(4),
+    "decode_bf16": lambda: check_attention_decode(2, dtype=torch.bfloat16, B=16),
+    "multirow_g1": lambda: check_attention_multirow(1),
+    "multirow_g2": lambda: check_attention_multirow(2),
+    "multirow_g4": lambda: check_attention_multirow(4),
+    "multirow_fp16": lambda: check_attention_multirow(4, dtype=torch.float16, B=16),
+    "splits": lambda: check_attention_splits(),
+    "shapes": lambda: check_attention_shapes(),
+    "merge_fp32": lambda: check_merge(),
+    "merge_bf16": lambda: check_merge(dtype=torch.bfloat16),
+}
+
+
+def _interpreter_can_loop():
+    """Triton 3.6's interpreter cannot range() over run-time scalars (its scalars are
+    1-element arrays, not 0-d); the KV loop needs that. 3.9's can."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _loop(x_ptr, n):
+        for i in range(0, n, 2):
+            tl.store(x_ptr + i, i)
+
+    try:
+        _loop[(1,)](torch.zeros(4, dtype=torch.int32), 4)
+        return True
+    except Exception as e:  # TypeError('only 0-dimensional arrays can be converted ...'), wrapped
+        if "0-dimensional" not in str(e):
+            raise
+        return False
+
+
+def _run_all(checks):
+    if not _interpreter_can_loop():
+        return {name: "skip: this Triton's interpreter cannot loop over run-time bounds" for name in checks}
+    results = {}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_results():
+    """Run every interpreter check once, in a child process started with TRITON_INTERPRET=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULTS "):
+            return json.loads(line[len("RESULTS "):])
+    raise RuntimeError(f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))
+def test_interpreter(name):
+    if INTERPRET:  # this process already interprets: run here
+        if not _interpreter_can_loop():
+            pytest.skip("this Triton's interpreter cannot loop over run-time bounds")
+        INTERPRETER_CHECKS[name]()
+        return
+    result = _interpreter_results()[name]
+    if result.startswith("skip: "):
+        pytest.skip(result[len("skip: "):])
+    assert result == "ok", result
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: the compiled kernels, larger shapes, bf16 and fp32
+# ----------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_store_kv(dtype):
+    check_store_kv("cuda", dtype, T=300, Hkv=8, D=128, B=16, N=40)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("B", [16, 64])
+def test_gpu_decode(dtype, G, B):
+    kv_lens = (1000, 0, 1, 4097, 300, 17, 2048, 64)
+    check_attention_decode(G, "cuda", dtype, D=128, B=B, Hkv=4, kv_lens=kv_lens)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G", [1, 4, 7])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_multirow(dtype, G, D):
+    check_attention_multirow(G, "cuda", dtype, D=D, B=16, Hkv=2,
+                             kv_lens=(700, 0, 2100, 33, 64), q_lens=(100, 3, 257, 0, 1))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_splits(dtype):
+    check_attention_splits("cuda", dtype, G=4, D=128, B=16, Hkv=2,
+                           kv_lens=(20000, 0, 129, 5000), q_lens=(1, 3, 16, 1), splits=(1, 4, 17, 64, None))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_shapes(dtype):
+    for D, B, G, Hkv in [(80, 16, 2, 2), (96, 32, 4, 2), (256, 16, 2, 1), (32, 1, 1, 2), (128, 128, 8, 1)]:
+        case = make_attention_case([300, 0, 1030], [1, 5, 40], Hkv, G, D, B, dtype, "cuda", seed=D + B)
+        _check_attention(case, dtype=dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_merge(dtype):
+    check_merge("cuda", dtype, T=64, H=8, D=128)
+
+
+@gpu
+def test_gpu_cuda_graph():
+    """Captured once, replayed with new kv_lens / block tables / q: no host reads of values."""
+    tk = _kernels()
+    dtype = torch.bfloat16
+    case = make_attention_case([900, 5, 0, 3000], [1, 1, 1, 1], 2, 4, 128, 16, dtype, "cuda", seed=7)
+    static = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in case.items()}
+    static["q"] = case["q"].contiguous()
+    tk.paged_attention_lse(**static)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = tk.paged_attention_lse(**static)
+    for lens in ([900, 5, 0, 3000], [17, 0, 2999, 1]):
+        static["kv_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        static["q"].normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = ref_paged_attention(**{k: v for k, v in static.items() if k != "max_query_len"})
+        torch.testing.assert_close(out.double().cpu(), ref_out, atol=2e-2, rtol=2e-2)
+        fin = ref_lse != -math.inf
+        torch.testing.assert_close(lse.double().cpu()[fin], ref_lse[fin], atol=2e-2, rtol=2e-2)
+        assert (lse.cpu()[~fin] == -math.inf).all()
+
+
+if __name__ == "__main__":  # the interpreter child of _interpreter_results
+    assert INTERPRET, "run with TRITON_INTERPRET=1"
+    print("RESULTS " + json.dumps(_run_all(INTERPRETER_CHECKS)), flush=True)
