@@ -253,7 +253,17 @@ def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.de
     """Enough splits for ~2 programs per SM, but >= 256 tokens a split (the block table's
     width bounds the context) and at most 256 splits. Shapes only, so graph-safe."""
     want = triton.cdiv(2 * _num_sms(device), max(num_programs, 1))
-    return max(1, min(want, triton.cdiv(max_context, 256), 256))
+    splits = max(1, min(want, triton.cdiv(max_context, 256), 256))
+    return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants
+
+
+def _request_bucket(num_reqs: int) -> int:
+    """BLOCK_R >= R, in coarse steps: each value is a compiled variant, and loading a few
+    hundred ints per program costs less than compiling mid-run."""
+    for bucket in (16, 256):
+        if num_reqs <= bucket:
+            return bucket
+    return triton.next_power_of_2(num_reqs)
 
 
 def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: torch.device):
@@ -268,7 +278,8 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
         target_m = 128 if BLOCK_D <= 128 else 64
         if triton.cdiv(T, max(1, target_m // G)) * Hkv < 2 * _num_sms(device):
             target_m = 64
-        BLOCK_Q = max(1, min((target_m if on_gpu else 16) // G, max_query_len))
+        # rounded up to a power of two, so the chunk length compiles few variants
+        BLOCK_Q = max(1, min((target_m if on_gpu else 16) // G, triton.next_power_of_2(max_query_len)))
     BLOCK_M = max(16, triton.next_power_of_2(BLOCK_Q * G))
     if not on_gpu:
         return BLOCK_Q, BLOCK_M, 16, BLOCK_D, 4, 1
@@ -331,7 +342,7 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         *o_strides, *l_strides,
         G=G, D=D, PAGE=B, NUM_SPLITS=num_kv_splits,
         BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_R=triton.next_power_of_2(R), PAD_PER_REQ=pad, SPLIT_TAIL=BLOCK_Q > 1,
+        BLOCK_R=_request_bucket(R), PAD_PER_REQ=pad, SPLIT_TAIL=BLOCK_Q > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
         DOT_UPCAST=not on_gpu or os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, num_stages=num_stages,

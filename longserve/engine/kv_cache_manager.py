@@ -113,18 +113,22 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's computed full blocks in the prefix cache."""
+        """Register the request's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.tokens_per_block
-        request.block_hashes = compute_block_hashes(
-            request.all_token_ids[:num_full * self.tokens_per_block], self.tokens_per_block,
-            request.block_hashes[:num_full])
-        for i in range(num_full):
+        if num_full <= request.num_cached_blocks:
+            return
+        if num_full > len(request.block_hashes):
+            request.block_hashes = compute_block_hashes(
+                request.token_ids_slice(0, num_full * self.tokens_per_block), self.tokens_per_block,
+                request.block_hashes)
+        for i in range(request.num_cached_blocks, num_full):
             block_id, h = request.block_ids[i], request.block_hashes[i]
             if self.block_hash[block_id] is None and h not in self.cached:
                 self.block_hash[block_id] = h
                 self.cached[h] = block_id
+        request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Drop the request's references; tail blocks go to the queue first so they are evicted first."""
@@ -133,6 +137,7 @@ class KVCacheManager:
             if self.ref_cnt[block_id] == 0:
                 self.free_queue[block_id] = None
         request.block_ids = []
+        request.num_cached_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_blocks:

@@ -27,6 +27,7 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     # block hashes of the full blocks of all_token_ids (prefix caching)
     block_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -38,6 +39,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (a decode step needs one)."""
+        n_prompt = len(self.prompt_token_ids)
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
 
     @property
     def num_tokens(self) -> int:

@@ -137,7 +137,7 @@ class Scheduler:
         self._num_blocks_sent[req.request_id] = len(req.block_ids)
         return ScheduledRequest(
             req_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + n],
+            token_ids=req.token_ids_slice(start, start + n),
             num_computed_tokens=start,
             block_ids=list(req.block_ids if sent is None else req.block_ids[sent:]),
             new=sent is None,
