@@ -97,3 +97,12 @@ def test_context_parallel_prefix_cache_hits(models):
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
     finally:
         llm.shutdown()
+
+
+def test_context_parallel_with_preemption(models):
+    """A pool too small for the batch: requests are preempted and recomputed on the sharded cache."""
+    ps = prompts()
+    ref, _ = run(models["llama"], ps)
+    outs, _ = run(models["llama"], ps, prefill_context_parallel_size=2, block_size=4, num_gpu_blocks=9)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    assert_same(outs, ref)
