@@ -28,3 +28,19 @@ def test_shutdown_leaves_no_process():
     llm.generate(["hello"], SamplingParams(max_tokens=3), use_tqdm=False)
     llm.shutdown()
     assert procs and all(not p.is_alive() for p in procs)
+
+
+def test_torchrun_launch_matches_one_rank():
+    """`torchrun --nproc-per-node 2 ... -tp 2`: rank 0 drives and prints, rank 1 serves, both exit 0."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = ["-m", "longserve.entrypoints.cli", "generate", "--device", "cpu", "--max-tokens", "8",
+           "--prompt", "Hello there"]
+    one = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          *cmd, "-tp", "2"], capture_output=True, text=True, timeout=180)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    text = lambda out: [json.loads(line)["text"] for line in out.splitlines() if line.startswith("{")]  # noqa: E731
+    assert text(two.stdout) == text(one.stdout) and len(text(one.stdout)) == 1

@@ -106,7 +106,7 @@ class Executor:
         if getattr(self, "_closing", False):
             return
         self._closing = True
-        if self.procs and not self.failure:
+        if self.config.parallel.world_size > 1 and not self.failure:  # spawned or torchrun
             try:
                 self.driver.ps.model.broadcast_object(SHUTDOWN)
             except Exception:
