@@ -74,7 +74,6 @@ def test_stop_token_and_stop_string(llm, pool_whole):
 
 
 def test_eos_stops_unless_ignored(llm):
-    eos = llm.config.model.eos_token_ids[0]
     prompt = {"prompt_token_ids": [1, 7, 8]}
     free = llm.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0]
     llm.config.model.eos_token_ids.append(free.token_ids[1])  # pretend the 2nd token is an EOS

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import torch.multiprocessing as mp
 
@@ -39,6 +40,7 @@ class Executor:
         world = config.parallel.world_size
         self.procs: list = []
         self.failure: str | None = None
+        self._closing = False
         if world == 1:
             self.driver = Worker(config)
         elif launched_by_torchrun():
@@ -69,16 +71,15 @@ class Executor:
         return Worker(config, 0, "env://", local)
 
     def _watch(self) -> None:
-        """Poll the children; when one dies, record why and stop the rest."""
-        while not self.failure:
+        """Poll the children (only this thread reaps them); when one dies, record why and
+        stop the rest."""
+        while not self.failure and not self._closing:
             for rank, p in enumerate(self.procs, start=1):
                 p.join(timeout=0.2)
-                if p.exitcode is not None and self.failure is None and not getattr(self, "_closing", False):
+                if p.exitcode is not None and not self._closing:
                     self.failure = f"worker rank {rank} died (exit code {p.exitcode})"
                     self._kill_all()
                     return
-            if getattr(self, "_closing", False):
-                return
 
     def _kill_all(self) -> None:
         for p in self.procs:
@@ -92,18 +93,16 @@ class Executor:
             self.driver.ps.model.broadcast_object(out)
             return self.driver.execute(out)
         except Exception as e:
-            if self.procs:
-                self._wait_for_failure_report()
+            # a peer's closed connection usually means it died: give the watchdog a moment
+            deadline = time.monotonic() + 5.0
+            while self.procs and self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
             if self.failure:
                 raise RuntimeError(f"{self.failure}; the engine cannot continue") from e
             raise
 
-    def _wait_for_failure_report(self, seconds: float = 5.0) -> None:
-        for p in self.procs:
-            p.join(timeout=seconds / max(len(self.procs), 1))
-
     def shutdown(self) -> None:
-        if getattr(self, "_closing", False):
+        if self._closing:
             return
         self._closing = True
         if self.config.parallel.world_size > 1 and not self.failure:  # spawned or torchrun

@@ -6,7 +6,6 @@ the batch is the concatenation of every scheduled request's tokens.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from longserve.attention.backends import TorchAttentionBackend, TritonAttentionBackend
