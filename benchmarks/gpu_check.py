@@ -31,7 +31,7 @@ def run(model, ps, max_tokens, logprobs=None, **kw):
     whole = kv.num_free_blocks == kv.num_blocks
     llm.shutdown()
     del llm
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if logprobs:
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], dt, whole
     return [o.outputs[0].token_ids for o in outs], dt, whole
