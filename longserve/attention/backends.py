@@ -89,7 +89,7 @@ class TorchAttentionBackend:
         p_out, p_lse = self.sharded_paged_attention(layer, prefix_q, meta.prefix, meta.ps,
                                                     meta.ps.pcp.world_size > 1)
         merged = torch.empty_like(out)
-        merge_attn_states(merged, p_out, p_lse, out, lse)
+        self.merge_states(merged, p_out, p_lse, out, lse)
         return merged
 
     def segment_attention(self, q, k, v, s, scale, need_lse):
@@ -98,7 +98,7 @@ class TorchAttentionBackend:
         if s.ka > s.k0:
             o2, l2 = self.dense_attention(q, k[s.k0:s.ka], v[s.k0:s.ka], False, scale, True)
             merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-            merge_attn_states(merged, o2, l2, out, lse, merged_lse)
+            self.merge_states(merged, o2, l2, out, lse, merged_lse)
             out, lse = merged, merged_lse
         return out, lse
 
@@ -143,6 +143,8 @@ class TorchAttentionBackend:
         k_cache.view(-1, n_heads, d)[slots] = k[keep].to(k_cache.dtype)
         v_cache.view(-1, n_heads, d)[slots] = v[keep].to(v_cache.dtype)
 
+    merge_states = staticmethod(merge_attn_states)  # merge two partial attentions by LSE
+
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
         """Row group r of q over the first kv_lens[r] cached tokens of its block-table row."""
@@ -150,13 +152,13 @@ class TorchAttentionBackend:
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
         qsl, table = part.query_start_loc_cpu, part.block_table
+        k_flat, v_flat = k_cache.reshape(-1, n_heads, d), v_cache.reshape(-1, n_heads, d)
         for r, kv_len in enumerate(part.kv_lens_cpu):
             if kv_len == 0 or qsl[r] == qsl[r + 1]:
                 continue
             j = torch.arange(kv_len, device=q.device)
             slots = table[r, j // block_size].long() * block_size + j % block_size
-            k = k_cache.reshape(-1, n_heads, d)[slots]
-            v = v_cache.reshape(-1, n_heads, d)[slots]
+            k, v = k_flat[slots], v_flat[slots]
             o, l = reference_attention(q[qsl[r]:qsl[r + 1]], k, v, False, scale)
             out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = o.to(q.dtype), l
         return out, lse
@@ -202,6 +204,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def store_kv(k, v, k_cache, v_cache, slot_mapping):
         from longserve.attention.triton_kernels import store_kv
         store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def merge_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse=None):
+        from longserve.attention.triton_kernels import merge_attn_states_triton
+        merge_attn_states_triton(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse)
 
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale):

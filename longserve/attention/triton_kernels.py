@@ -290,6 +290,30 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 
+def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
+    """Where the kernel writes: straight into (out, lse) with one split (split stride 0),
+    else float32 partials [splits, T, Hq, D] / [splits, T, Hq] for `_merge_kv_splits`."""
+    if num_kv_splits == 1:
+        return out, lse, (0, out.stride(0), out.stride(1)), (0, lse.stride(0), lse.stride(1))
+    T, Hq, D = out.shape
+    o_buf = torch.empty(num_kv_splits, T, Hq, D, dtype=torch.float32, device=out.device)
+    l_buf = torch.empty(num_kv_splits, T, Hq, dtype=torch.float32, device=out.device)
+    return o_buf, l_buf, o_buf.stride()[:3], l_buf.stride()
+
+
+def _merge_kv_splits(o_buf, l_buf, out, lse) -> None:
+    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]."""
+    num_kv_splits, T, Hq, D = o_buf.shape
+    _merge_splits_kernel[(T, Hq)](
+        o_buf, l_buf, out, lse,
+        *o_buf.stride()[:3], *l_buf.stride(),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        NUM_SPLITS=num_kv_splits, D=D, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        CHUNK_S=min(16, triton.next_power_of_2(num_kv_splits)), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4,
+    )
+
+
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_table: torch.Tensor, query_start_loc: torch.Tensor,
                         kv_lens: torch.Tensor, scale: float, max_query_len: int,
@@ -323,16 +347,7 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
         num_kv_splits = _default_num_kv_splits(busy, block_table.shape[1] * B, q.device)
 
-    if num_kv_splits == 1:  # write the final result directly
-        o_buf, l_buf = out, lse
-        o_strides = (0, out.stride(0), out.stride(1))
-        l_strides = (0, lse.stride(0), lse.stride(1))
-    else:
-        o_buf = torch.empty(num_kv_splits, T, Hq, D, dtype=torch.float32, device=q.device)
-        l_buf = torch.empty(num_kv_splits, T, Hq, dtype=torch.float32, device=q.device)
-        o_strides = o_buf.stride()[:3]
-        l_strides = l_buf.stride()
-
+    o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
     _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf,
         scale * LOG2E, R,
@@ -348,14 +363,7 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1:
-        _merge_splits_kernel[(T, Hq)](
-            o_buf, l_buf, out, lse,
-            *o_buf.stride()[:3], *l_buf.stride(),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            NUM_SPLITS=num_kv_splits, D=D, BLOCK_S=triton.next_power_of_2(num_kv_splits),
-            CHUNK_S=min(16, triton.next_power_of_2(num_kv_splits)), BLOCK_D=triton.next_power_of_2(D),
-            num_warps=4,
-        )
+        _merge_kv_splits(o_buf, l_buf, out, lse)
     return out, lse
 
 
