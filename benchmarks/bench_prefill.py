@@ -23,7 +23,7 @@ def flops(s: int) -> float:
     return 2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS
 
 
-def ttft(mode: str, n: int, lengths: list[int], reps: int) -> dict[int, float]:
+def ttft(mode: str, n: int, lengths: list[int], reps: int, profile: bool = False) -> dict[int, float]:
     size_kw = {"pcp": "prefill_context_parallel_size", "tp": "tensor_parallel_size"}[mode]
     longest = max(lengths)
     llm = LLM("builtin:llama3-8b-shape", load_format="dummy", dtype="bfloat16", max_num_seqs=1,
@@ -40,8 +40,24 @@ def ttft(mode: str, n: int, lengths: list[int], reps: int) -> dict[int, float]:
             times.append(time.perf_counter() - t)
         out[s] = float(np.median(times[1:]))
         print(json.dumps({"mode": mode, "gpus": n, "len": s, "ttft_s": round(out[s], 3)}), flush=True)
+    if profile:
+        profile_prefill(llm, min(lengths), rng)
     llm.shutdown()
     return out
+
+
+def profile_prefill(llm, s, rng):
+    """Rank 0's kernel table for one prefill, and how much of the wall time its GPU was busy."""
+    from torch.profiler import ProfilerActivity, profile
+    p = {"prompt_token_ids": rng.integers(100, 128000, s).tolist()}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        llm.generate([p], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(events.table(sort_by="self_cuda_time_total", row_limit=14), flush=True)
+    print(f"profile {s} tokens: wall {wall:.3f} s, rank-0 GPU busy {busy:.3f} s", flush=True)
 
 
 def main():
@@ -51,11 +67,12 @@ def main():
     ap.add_argument("--lengths", default="32768,131072")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--peak", type=float, default=790.0, help="bf16 dense TFLOP/s of one GPU")
+    ap.add_argument("--profile", action="store_true", help="kernel table of one prefill per layout")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     sizes = [int(x) for x in args.gpus.split(",") if int(x) <= torch.cuda.device_count()]
-    res = {n: ttft(args.mode, n, lengths, args.reps) for n in sizes}
+    res = {n: ttft(args.mode, n, lengths, args.reps, args.profile) for n in sizes}
     dev = torch.cuda.get_device_name()
     rows = []
     for s in lengths:

@@ -54,34 +54,75 @@ def logprobs_close(a, b):
     return ok / len(a), before / sum(len(t) for t, _ in a)
 
 
+def single_gpu_checks(name, rows, skip_bf16, dev):
+    """fp32 GPU vs CPU reference, CUDA graphs vs eager, bf16 vs fp32 (one GPU)."""
+    model = f"builtin:{name}"
+    ps = prompts(16, 5, 300, 512)
+    cpu, _, _ = run(model, ps, 32, device="cpu", dtype="float32")
+    gpu32, _, w1 = run(model, ps, 32, device=dev, dtype="float32")
+    eager, _, w2 = run(model, ps, 32, device=dev, dtype="float32", enforce_eager=True)
+    rows.append((name, "fp32 GPU vs CPU", agreement(gpu32, cpu), w1))
+    rows.append((name, "CUDA graphs vs eager (fp32)", agreement(gpu32, eager), w2))
+    if skip_bf16:
+        return
+    long_ps = prompts(32, 16, 512, 512, seed=1)
+    ref, _, _ = run(model, long_ps, 256, logprobs=5, device=dev, dtype="float32")
+    bf, _, w3 = run(model, long_ps, 256, logprobs=5, device=dev, dtype="bfloat16")
+    passed, before = logprobs_close(bf, ref)
+    rows.append((name, "bf16 vs fp32, 256 tokens: position-wise", agreement([t for t, _ in bf], [t for t, _ in ref]), w3))
+    rows.append((name, "bf16 vs fp32, 256 tokens: requests logprob-close", passed, w3))
+    rows.append((name, "bf16 vs fp32, 256 tokens: tokens before 1st divergence", before, w3))
+
+
+SHORT = {"tensor_parallel_size": "tp", "prefill_context_parallel_size": "pcp",
+         "decode_context_parallel_size": "dcp", "cp_kv_cache_interleave_size": "interleave"}
+
+
+def parallel_checks(name, layouts, rows, dev, eager_check):
+    """Each layout against one GPU: fp32 tokens, and bf16 by position and logprob-close."""
+    model = f"builtin:{name}"
+    ps, long_ps = prompts(16, 5, 300, 512), prompts(32, 16, 512, 512, seed=1)
+    kw = dict(device=dev, max_num_seqs=32)
+    one32, _, _ = run(model, ps, 32, dtype="float32", **kw)
+    one16, _, _ = run(model, long_ps, 256, logprobs=5, dtype="bfloat16", **kw)
+    for par in layouts:
+        tag = ",".join(f"{SHORT.get(k, k)}={v}" for k, v in par.items())
+        par32, _, w1 = run(model, ps, 32, dtype="float32", **kw, **par)
+        rows.append((name, f"{tag} vs 1 GPU, fp32", agreement(par32, one32), w1))
+        if eager_check:
+            eager, _, w2 = run(model, ps, 32, dtype="float32", enforce_eager=True, **kw, **par)
+            rows.append((name, f"{tag}: CUDA graphs vs eager (fp32)", agreement(par32, eager), w2))
+        par16, _, w3 = run(model, long_ps, 256, logprobs=5, dtype="bfloat16", **kw, **par)
+        passed, before = logprobs_close(par16, one16)
+        rows.append((name, f"{tag} vs 1 GPU, bf16 256 tokens: position-wise",
+                     agreement([t for t, _ in par16], [t for t, _ in one16]), w3))
+        rows.append((name, f"{tag} vs 1 GPU, bf16: requests logprob-close", passed, w3))
+        rows.append((name, f"{tag} vs 1 GPU, bf16: tokens before 1st divergence", before, w3))
+        print(rows[-5:], flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--parallel", default="{}", help="extra LLM kwargs as JSON, e.g. tp/pcp")
+    ap.add_argument("--parallel", default="[]",
+                    help="JSON list of layouts (LLM kwargs) to compare with one GPU, e.g. "
+                         '\'[{"tensor_parallel_size": 2}]\'')
     ap.add_argument("--models", default="llama-tiny,qwen2-tiny,qwen3-tiny")
     ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--eager-check", action="store_true", help="also CUDA graphs vs eager per layout")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    par = json.loads(args.parallel)
+    layouts = json.loads(args.parallel)
     rows = []
     for name in args.models.split(","):
-        model = f"builtin:{name}"
-        ps = prompts(16, 5, 300, 512)
-        cpu, _, _ = run(model, ps, 32, device="cpu", dtype="float32")
-        gpu32, _, w1 = run(model, ps, 32, device="cuda", dtype="float32", **par)
-        eager, _, w2 = run(model, ps, 32, device="cuda", dtype="float32", enforce_eager=True, **par)
-        rows.append((name, "fp32 GPU vs CPU", agreement(gpu32, cpu), w1))
-        rows.append((name, "CUDA graphs vs eager (fp32)", agreement(gpu32, eager), w2))
-        if args.skip_bf16:
-            continue
-        long_ps = prompts(32, 16, 512, 512, seed=1)
-        ref, _, _ = run(model, long_ps, 256, logprobs=5, device="cuda", dtype="float32", **par)
-        bf, _, w3 = run(model, long_ps, 256, logprobs=5, device="cuda", dtype="bfloat16", **par)
-        passed, before = logprobs_close(bf, ref)
-        rows.append((name, "bf16 vs fp32, 256 tokens: requests logprob-close", passed, w3))
-        rows.append((name, "bf16 vs fp32, 256 tokens: tokens before 1st divergence", before, w3))
-    dev = torch.cuda.get_device_name()
-    print(f"\n### GPU correctness ({dev}, {torch.cuda.device_count()} GPU(s), parallel={par})\n")
-    print("| model | check | token agreement | pool whole |\n| --- | --- | --- | --- |")
+        if layouts:
+            parallel_checks(name, layouts, rows, args.device, args.eager_check)
+        else:
+            single_gpu_checks(name, rows, args.skip_bf16, args.device)
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    n = torch.cuda.device_count() if args.device == "cuda" else 0
+    print(f"\n### GPU correctness ({dev}, {n} GPU(s))\n")
+    print("| model | check | agreement | pool whole |\n| --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {100 * r[2]:.2f}% | {r[3]} |")
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longserve.attention.cp_attention import correct_attn_out, merge_attn_states
-from longserve.attention.metadata import AttentionMetadata, PagedPart
+from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
 from longserve.worker.kv_cache_spec import MultipleOf
 
 
@@ -72,17 +72,8 @@ class TorchAttentionBackend:
         return out
 
     def prefill_attention(self, layer: Attention, q, k, v, meta: AttentionMetadata):
-        need_lse = meta.prefix is not None or any(s.ka > s.k0 for s in meta.prefill_segments)
         k, v = self.suffix_kv_heads(layer, k, v, meta.ps)
-        out = torch.empty_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), device=q.device) if need_lse else None
-        base = meta.num_decode_tokens
-        for s in meta.prefill_segments:
-            rows = slice(s.q0 - base, s.q1 - base)
-            o, l = self.segment_attention(q[rows], k, v, s, layer.scale, need_lse)
-            out[rows] = o
-            if need_lse:
-                lse[rows] = l
+        out, lse = self.suffix_attention(q, k, v, meta, layer.scale, meta.prefix is not None)
         if meta.prefix is None:
             return out
         prefix_q = meta.ps.pcp.all_gather(q, 0) if meta.ps.pcp.world_size > 1 else q
@@ -91,6 +82,20 @@ class TorchAttentionBackend:
         merged = torch.empty_like(out)
         self.merge_states(merged, p_out, p_lse, out, lse)
         return merged
+
+    def suffix_attention(self, q, k, v, meta: AttentionMetadata, scale, need_lse):
+        """The prefill rows q against the step's new K/V, segment by segment."""
+        need_lse = need_lse or any(s.ka > s.k0 for s in meta.prefill_segments)
+        out = torch.empty_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), device=q.device) if need_lse else None
+        base = meta.num_decode_tokens
+        for s in meta.prefill_segments:
+            rows = slice(s.q0 - base, s.q1 - base)
+            o, l = self.segment_attention(q[rows], k, v, s, scale, need_lse)
+            out[rows] = o
+            if need_lse:
+                lse[rows] = l
+        return out, lse
 
     def segment_attention(self, q, k, v, s, scale, need_lse):
         """q rows of one segment against its keys: full over [k0, ka), causal over [ka, kb)."""
@@ -212,9 +217,19 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
+        if part.max_query_len >= DENSE_PREFIX_MIN_ROWS and q.dtype in (torch.float16, torch.bfloat16) \
+                and q.is_cuda:
+            return gathered_paged_attention(q, k_cache, v_cache, part, scale)
         from longserve.attention.triton_kernels import paged_attention_lse
         return paged_attention_lse(q, k_cache, v_cache, part.block_table, part.query_start_loc,
                                    part.kv_lens, scale, part.max_query_len)
+
+    def suffix_attention(self, q, k, v, meta: AttentionMetadata, scale, need_lse):
+        """Many requests' chunks (no PCP) in one flash varlen call instead of one call each."""
+        vl = meta.prefill_varlen
+        if vl is None or q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
+            return super().suffix_attention(q, k, v, meta, scale, need_lse)
+        return varlen_causal(q, k[vl.k_begin:vl.k_end], v[vl.k_begin:vl.k_end], vl, scale)
 
     @staticmethod
     def dense_attention(q, k, v, causal, scale, need_lse):
@@ -233,16 +248,20 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     if k.shape[0] == 0 or q.device.type != "cuda":
         out, lse = reference_attention(q, k, v, causal, scale)
         return out.to(q.dtype), lse
-    group = q.shape[1] // k.shape[1]
-    qt = q.transpose(0, 1).unsqueeze(0)
-    kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     if causal and q.shape[0] > k.shape[0]:  # rows past the keys (PCP pads) see every key
         n = k.shape[0]
         o1, l1 = sdpa_with_lse(q[:n], k, v, True, scale)
         o2, l2 = sdpa_with_lse(q[n:], k, v, False, scale)
         return torch.cat([o1, o2]), torch.cat([l1, l2])
-    res = None
+    group = q.shape[1] // k.shape[1]
+    if not causal and group > 1:  # GQA without copying K/V: fold each group's heads into rows
+        return _folded_gqa(q, k, v, scale)
+    qt = q.transpose(0, 1).unsqueeze(0)
+    res = _cudnn_native_gqa(qt, k, v, causal, scale) if group > 1 else None
+    if res is not None:
+        return res[0][0].transpose(0, 1), res[1][0].float().transpose(0, 1)
+    kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     for op in (_cudnn_with_lse, _flash_with_lse, _efficient_with_lse):
         try:
             res = op(qt, kt, vt, causal, scale)
@@ -254,6 +273,66 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
         return out.to(q.dtype), lse
     out, lse = res[0], res[1]
     return out[0].transpose(0, 1), lse[0].float().transpose(0, 1).reshape(q.shape[0], q.shape[1])
+
+
+def _folded_gqa(q, k, v, scale):
+    """Non-causal GQA as MHA over Hkv heads: the G query heads of a KV head become G x S rows
+    of that head (every row sees every key, so row order does not matter)."""
+    s, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qf = q.view(s, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, s * g, d)
+    out, lse = sdpa_with_lse(qf.transpose(0, 1), k, v, False, scale)  # [S*G, Hkv, D]
+    out = out.view(s, g, hkv, d).permute(0, 2, 1, 3).reshape(s, hq, d)
+    return out, lse.view(s, g, hkv).permute(0, 2, 1).reshape(s, hq)
+
+
+# Prefix attention with at least this many query rows a request is compute-bound: gathering
+# the request's cached K/V into one contiguous tensor costs a copy of the shard (~1 ms for
+# 256K tokens) and buys the fused dense kernel's speed (cuDNN ~600 TFLOP/s on H200).
+DENSE_PREFIX_MIN_ROWS = 128
+
+
+def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
+    """paged_attention for long chunks: per request, gather its cached K/V pages and run the
+    fused non-causal attention. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32."""
+    page, hkv, d = k_cache.shape[1:]
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
+    qsl = part.query_start_loc_cpu
+    for r, kv_len in enumerate(part.kv_lens_cpu):
+        if kv_len == 0 or qsl[r] == qsl[r + 1]:
+            continue
+        pages = part.block_table[r, :-(-kv_len // page)].long()
+        k = k_cache[pages].reshape(-1, hkv, d)[:kv_len]
+        v = v_cache[pages].reshape(-1, hkv, d)[:kv_len]
+        out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = sdpa_with_lse(
+            q[qsl[r]:qsl[r + 1]], k, v, False, scale)
+    return out, lse
+
+
+def varlen_causal(q, k, v, vl: VarlenLayout, scale: float):
+    """Flash attention over packed sequences, each causal over itself; q [T, Hq, D],
+    k/v [T, Hkv, D] (GQA native). Returns out [T, Hq, D], lse [T, Hq] float32."""
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k, v, vl.cu_seqlens, vl.cu_seqlens, vl.max_len, vl.max_len, 0.0, True, False,
+        scale=scale)[:2]
+    return out, lse.transpose(0, 1)  # varlen lse is [Hq, T]
+
+
+_CUDNN_GQA = {"ok": True}  # cleared the first time cuDNN refuses unequal head counts
+
+
+def _cudnn_native_gqa(qt, k, v, causal, scale):
+    """cuDNN with fewer K/V heads than query heads (no K/V copy), where this build allows it."""
+    if not _CUDNN_GQA["ok"]:
+        return None
+    try:
+        return _cudnn_with_lse(qt, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                               causal, scale)
+    except (RuntimeError, TypeError, NotImplementedError):
+        _CUDNN_GQA["ok"] = False
+        return None
 
 
 # The fused SDPA kernels that return the LSE are private ATen ops: [B, H, S, D] in,

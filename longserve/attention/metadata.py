@@ -29,6 +29,17 @@ class SuffixSegment:
 
 
 @dataclass
+class VarlenLayout:
+    """Prefill segments that tile the step's new tokens in order, each causal over itself
+    (no PCP): one variable-length kernel call can take them all. cu_seqlens counts rows
+    from the first segment's first row; its keys are K/V rows [k_begin, k_end)."""
+    cu_seqlens: torch.Tensor  # [S+1] int32, device
+    max_len: int
+    k_begin: int
+    k_end: int
+
+
+@dataclass
 class PagedPart:
     """Query rows grouped by request; request r's rows see its first kv_lens[r] cached tokens
     of this rank's shard (through its block-table row). Host copies drive the torch path."""
@@ -51,6 +62,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T_kv] int64, -1: not stored by this rank
     decode: PagedPart | None
     prefill_segments: list[SuffixSegment] = field(default_factory=list)
+    prefill_varlen: VarlenLayout | None = None  # the segments as one varlen batch (no PCP)
     # cached context of the prefill rows; with PCP over the PCP-gathered queries
     prefix: PagedPart | None = None
     # PCP: positions in the all-gathered (rank-major, padded) K/V of each real token

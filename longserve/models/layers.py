@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longserve.distributed.parallel_state import GroupCoordinator
+from longserve.models.fused_ops import rms_norm, rotary
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -176,13 +177,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x, residual=None):
         """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
-        return out if residual is None else (out, residual)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -216,14 +211,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
-    def forward(self, positions, q, k):
-        """positions [T]; q [T, Hq, D]; k [T, Hk, D]."""
+    def cos_sin(self, positions):
+        """positions [T] -> cos, sin [T, D/2] float32; one per step, shared by every layer."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return freqs.cos(), freqs.sin()
 
-
-def _rotate(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def forward(self, cos_sin, q, k):
+        """q [T, Hq, D]; k [T, Hk, D]."""
+        return rotary(q, *cos_sin), rotary(k, *cos_sin)

@@ -6,12 +6,12 @@ the batch is the concatenation of every scheduled request's tokens.
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
 from longserve.attention.backends import Attention
 from longserve.config import ModelConfig
 from longserve.distributed.parallel_state import ParallelState
+from longserve.models.fused_ops import silu_and_mul
 from longserve.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                      QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                      RowParallelLinear, VocabParallelEmbedding)
@@ -32,14 +32,14 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5,
                               kv_sharing_target=cfg.kv_sharing.get(layer_idx))
 
-    def forward(self, positions, hidden, meta, reduce="all"):
+    def forward(self, cos_sin, hidden, meta, reduce="all"):
         q, k, v = self.qkv_proj(hidden)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(cos_sin, q, k)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(out.shape[0], -1), reduce)
 
@@ -52,8 +52,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ps.tp)
 
     def forward(self, x, reduce="all"):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, reduce)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -65,7 +64,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta, sp: bool):
+    def forward(self, cos_sin, hidden, residual, meta, sp: bool):
         """With sequence parallelism (`sp`), hidden and residual hold this TP rank's slice of
         the tokens between layers: gather before the column-parallel matmuls, reduce-scatter
         after the row-parallel ones."""
@@ -76,7 +75,7 @@ class LlamaDecoderLayer(nn.Module):
         reduce = "scatter" if sp else "all"
         if sp:
             hidden = self.tp.all_gather(hidden, 0)
-        hidden = self.self_attn(positions, hidden, meta, reduce)
+        hidden = self.self_attn(cos_sin, hidden, meta, reduce)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if sp:
             hidden = self.tp.all_gather(hidden, 0)
@@ -100,8 +99,9 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         if sp:
             hidden = hidden.chunk(self.ps.tp.world_size)[self.ps.tp.rank_in_group].contiguous()
+        cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta, sp)
+            hidden, residual = layer(cos_sin, hidden, residual, meta, sp)
         hidden, _ = self.norm(hidden, residual)
         return self.ps.tp.all_gather(hidden, 0) if sp else hidden
 

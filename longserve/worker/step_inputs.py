@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from longserve.attention.metadata import AttentionMetadata, PagedPart, SuffixSegment
+from longserve.attention.metadata import AttentionMetadata, PagedPart, SuffixSegment, VarlenLayout
 from longserve.distributed.parallel_state import ParallelState
 from longserve.engine.scheduler import ScheduledRequest
 from longserve.worker.block_table import (compute_slot_mapping, get_dcp_local_seq_lens,
@@ -116,6 +116,8 @@ def add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kern
     for i in range(num_decodes, len(n)):
         meta.prefill_segments += suffix_segments(int(starts[i]), int(n[i]), int(local_starts[i]),
                                                  int(local_starts[i + 1]), pcp_size, pcp_rank)
+    if pcp_size == 1 and len(meta.prefill_segments) > 1:
+        meta.prefill_varlen = varlen_layout(meta.prefill_segments, device)
     if not np.any(computed[num_decodes:] > 0):
         return
     local_n = np.diff(local_starts)[num_decodes:]
@@ -126,6 +128,14 @@ def add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kern
     qsl = np.concatenate(([0], np.cumsum(rows)))
     table = kernel_table[num_decodes:].repeat(pcp_size, 1)
     meta.prefix = paged_part(qsl, ctx.repeat(pcp_size), table, rows.max(initial=1), device)
+
+
+def varlen_layout(segs: list[SuffixSegment], device) -> VarlenLayout:
+    lens = [s.kb - s.ka for s in segs]
+    assert all(s.k0 == s.ka and s.q1 - s.q0 == n for s, n in zip(segs, lens))
+    assert all(a.kb == b.ka and a.q1 == b.q0 for a, b in zip(segs, segs[1:]))
+    cu = torch.tensor(np.concatenate(([0], np.cumsum(lens))), dtype=torch.int32).to(device)
+    return VarlenLayout(cu, max(lens), segs[0].ka, segs[-1].kb)
 
 
 def suffix_segments(k_start: int, n: int, q_start: int, q_end: int, pcp_size: int,
