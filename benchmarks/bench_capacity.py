@@ -36,6 +36,9 @@ def main():
     while eng.has_unfinished():
         t = time.perf_counter()
         eng.step()
+        if req.first_token_time is None:
+            print(f"  prefilled {req.num_computed_tokens} tokens at {t - t0 + 0:.1f} s "
+                  f"(step {time.perf_counter() - t:.2f} s)", flush=True)
         if req.output_token_ids and req.first_token_time is not None and len(req.output_token_ids) > 1:
             step_times.append(time.perf_counter() - t)
     prefill_s = req.first_token_time - t0

@@ -20,9 +20,11 @@ def check_all(device: str) -> None:
     from longserve.models import fused_ops as ops
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        # bf16 on a GPU: the same roundings, bit for bit; the CPU interpreter converts float32
-        # to bf16 by its own rule, one unit in the last place away at most
-        tol = 1e-6 if dtype == torch.float32 else (0.0 if device == "cuda" else 1.6e-2)
+        # bf16: the same roundings, so within one unit in the last place (float32 sums in
+        # another order can tip a rounding); the CPU interpreter converts float32 to bf16 by
+        # its own rule, which can add up to two units over a chain of roundings
+        tol = 1e-6 if dtype == torch.float32 else (8e-3 if device == "cuda" else 1.6e-2)
+        atol = tol if device == "cuda" or dtype == torch.float32 else 8e-2
         x = torch.randn(37, 96, generator=g).to(device, dtype)
         res = torch.randn(37, 96, generator=g).to(device, dtype)
         w = (1 + 0.1 * torch.randn(96, generator=g)).to(device, dtype)
@@ -40,6 +42,9 @@ def check_all(device: str) -> None:
         strided = heads[:, 1:4]  # a view of some heads, as q/k are views of the fused qkv
         torch.testing.assert_close(ops.rotary(strided, cos, sin), ops.rotary_torch(strided, cos, sin),
                                    atol=tol or 1e-2, rtol=tol or 1e-2)
+        hw = (1 + 0.1 * torch.randn(64, generator=g)).to(device, dtype)
+        normed = ops.rotary_torch(ops.rms_norm_torch(strided, hw, 1e-6), cos, sin)
+        torch.testing.assert_close(ops.rotary(strided, cos, sin, hw, 1e-6), normed, atol=atol, rtol=tol)
 
         gu = torch.randn(37, 2 * 80, generator=g).to(device, dtype)
         torch.testing.assert_close(ops.silu_and_mul(gu), ops.silu_and_mul_torch(gu),

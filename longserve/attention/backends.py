@@ -259,7 +259,7 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     qt = q.transpose(0, 1).unsqueeze(0)
     res = _cudnn_native_gqa(qt, k, v, causal, scale) if group > 1 else None
     if res is not None:
-        return res[0][0].transpose(0, 1), res[1][0].float().transpose(0, 1)
+        return res[0][0].transpose(0, 1), res[1][0].float().transpose(0, 1).reshape(q.shape[:2])
     kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     for op in (_cudnn_with_lse, _flash_with_lse, _efficient_with_lse):

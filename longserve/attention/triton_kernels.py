@@ -285,8 +285,8 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
         return BLOCK_Q, BLOCK_M, 16, BLOCK_D, 4, 1
     if BLOCK_M >= 128:  # compute-bound prefix tiles
         return BLOCK_Q, BLOCK_M, 32, BLOCK_D, 8, 3
-    if BLOCK_Q == 1:  # decode: memory-bound, deep pipeline
-        return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 3
+    if BLOCK_Q == 1:  # decode: memory-bound, deep pipeline (2 warps: best of a sweep on H200)
+        return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 2 if BLOCK_D <= 128 else 4, 3
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 

@@ -76,39 +76,53 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 
 # --------------------------------------------------------------------------------------
-# Neox-style rotary embedding of q and k: one program per (token, head)
+# Neox-style rotary embedding, optionally after a per-head RMSNorm (Qwen3's q/k norm):
+# one program per token, all its heads at once
 # --------------------------------------------------------------------------------------
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                   stride_c, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot,
+                   stride_oh, stride_c, H, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    i = tl.arange(0, BLOCK)
-    ok = i < HALF
+    h = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK)[None, :]
+    ok = (h < H) & (i < HALF)
     src = x_ptr + t * stride_xt + h * stride_xh
     x1 = tl.load(src + i, mask=ok, other=0.0)
     x2 = tl.load(src + HALF + i, mask=ok, other=0.0)
-    # cos / sin rounded to the model dtype, as HF multiplies in that dtype
-    c = tl.load(cos_ptr + t * stride_c + i, mask=ok, other=0.0).to(x1.dtype).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_c + i, mask=ok, other=0.0).to(x1.dtype).to(tl.float32)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:  # RMSNorm over each head's 2 * HALF values, rounded as rms_norm_torch rounds
+        r = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+        a = ((a * r).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        b = ((b * r).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    # cos / sin rounded to the model dtype, as HF multiplies in that dtype
+    c = tl.load(cos_ptr + t * stride_c + i, mask=i < HALF, other=0.0).to(x1.dtype).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_c + i, mask=i < HALF, other=0.0).to(x1.dtype).to(tl.float32)
     dst = out_ptr + t * stride_ot + h * stride_oh
     tl.store(dst + i, (a * c - b * s).to(x1.dtype), mask=ok)
     tl.store(dst + HALF + i, (b * c + a * s).to(x1.dtype), mask=ok)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (last dim contiguous); cos / sin [T, D/2] float32 -> rotated x."""
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x [T, H, D] (last dim contiguous); cos / sin [T, D/2] float32 -> rotated x; with
+    norm_weight [D], each head is RMS-normalised first."""
     if not use_triton(x):
+        if norm_weight is not None:
+            x = rms_norm_torch(x, norm_weight, eps)
         return rotary_torch(x, cos, sin)
     T, H, D = x.shape
     out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T:
         assert x.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
-        _rotary_kernel[(T, H)](x, out, cos, sin, x.stride(0), x.stride(1), out.stride(0),
-                               out.stride(1), cos.stride(0), HALF=D // 2,
-                               BLOCK=triton.next_power_of_2(D // 2), num_warps=1)
+        w = norm_weight if norm_weight is not None else cos  # a dummy pointer without norm
+        _rotary_kernel[(T,)](x, out, cos, sin, w, eps, x.stride(0), x.stride(1), out.stride(0),
+                             out.stride(1), cos.stride(0), H, HALF=D // 2,
+                             BLOCK_H=triton.next_power_of_2(H), BLOCK=triton.next_power_of_2(D // 2),
+                             NORM=norm_weight is not None, num_warps=4 if H * D >= 2048 else 2)
     return out
 
 

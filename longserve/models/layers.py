@@ -216,6 +216,10 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
-    def forward(self, cos_sin, q, k):
-        """q [T, Hq, D]; k [T, Hk, D]."""
-        return rotary(q, *cos_sin), rotary(k, *cos_sin)
+    def forward(self, cos_sin, q, k, q_norm=None, k_norm=None):
+        """q [T, Hq, D]; k [T, Hk, D]; q_norm / k_norm: per-head RMSNorms applied first."""
+        return (rotary(q, *cos_sin, *_norm_args(q_norm)), rotary(k, *cos_sin, *_norm_args(k_norm)))
+
+
+def _norm_args(norm):
+    return () if norm is None else (norm.weight, norm.eps)

@@ -37,9 +37,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(cos_sin, q, k)
+        q, k = self.rotary(cos_sin, q, k, self.q_norm, self.k_norm)  # Qwen3: q/k norm first
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(out.shape[0], -1), reduce)
 
