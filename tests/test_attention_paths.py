@@ -87,14 +87,20 @@ def test_gpu_varlen_causal_equals_per_segment_reference():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_sdpa_with_lse_gqa_equals_reference(causal):
+@pytest.mark.parametrize("d", [32, 128])
+def test_gpu_sdpa_with_lse_equals_reference(causal, dtype, d):
     from longserve.attention.backends import sdpa_with_lse
     gen = torch.Generator().manual_seed(4)
-    q = torch.randn(300, 8, 128, generator=gen).cuda().bfloat16()
-    k = torch.randn(300, 2, 128, generator=gen).cuda().bfloat16()
-    v = torch.randn(300, 2, 128, generator=gen).cuda().bfloat16()
-    out, lse = sdpa_with_lse(q, k, v, causal, 0.09)
-    ref_out, ref_lse = reference_attention(q, k, v, causal, 0.09)
-    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-3)
+    for sq, sk, hq, hkv in ((300, 300, 8, 2), (77, 77, 4, 4), (50, 190, 8, 2), (190, 50, 4, 2)):
+        if causal and sq < sk:
+            continue
+        q = torch.randn(sq, hq, d, generator=gen).cuda().to(dtype)
+        k = torch.randn(sk, hkv, d, generator=gen).cuda().to(dtype)
+        v = torch.randn(sk, hkv, d, generator=gen).cuda().to(dtype)
+        out, lse = sdpa_with_lse(q, k, v, causal, 0.09)
+        ref_out, ref_lse = reference_attention(q, k, v, causal, 0.09)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=1e-3)

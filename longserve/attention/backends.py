@@ -257,22 +257,24 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     if not causal and group > 1:  # GQA without copying K/V: fold each group's heads into rows
         return _folded_gqa(q, k, v, scale)
     qt = q.transpose(0, 1).unsqueeze(0)
-    res = _cudnn_native_gqa(qt, k, v, causal, scale) if group > 1 else None
-    if res is not None:
-        return res[0][0].transpose(0, 1), res[1][0].float().transpose(0, 1).reshape(q.shape[:2])
-    kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    for op in (_cudnn_with_lse, _flash_with_lse, _efficient_with_lse):
-        try:
-            res = op(qt, kt, vt, causal, scale)
-            break
-        except (RuntimeError, TypeError, NotImplementedError):
-            continue
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    res = _cudnn_native_gqa(qt, k, v, causal, scale) if group > 1 and half else None
+    if res is None:
+        kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+        # the private cuDNN / flash ops skip SDPA's dtype checks: never give them float32
+        ops = (_cudnn_with_lse, _flash_with_lse, _efficient_with_lse) if half else (_efficient_with_lse,)
+        for op in ops:
+            try:
+                res = op(qt, kt, vt, causal, scale)
+                break
+            except (RuntimeError, TypeError, NotImplementedError):
+                continue
     if res is None:
         out, lse = reference_attention(q, k, v, causal, scale)
         return out.to(q.dtype), lse
-    out, lse = res[0], res[1]
-    return out[0].transpose(0, 1), lse[0].float().transpose(0, 1).reshape(q.shape[0], q.shape[1])
+    out, lse = res[0][0], res[1][0]  # [H, S, D], [H, S'] (S' >= S: the efficient kernel pads)
+    return out.transpose(0, 1), lse[:, :q.shape[0]].float().transpose(0, 1).contiguous()
 
 
 def _folded_gqa(q, k, v, scale):
