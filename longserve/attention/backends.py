@@ -273,8 +273,9 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     if res is None:
         out, lse = reference_attention(q, k, v, causal, scale)
         return out.to(q.dtype), lse
-    out, lse = res[0][0], res[1][0]  # [H, S, D], [H, S'] (S' >= S: the efficient kernel pads)
-    return out.transpose(0, 1), lse[:, :q.shape[0]].float().transpose(0, 1).contiguous()
+    # out [H, S, D]; lse [H, S] (flash), [H, S, 1] (cuDNN) or [H, S'] with S' >= S (efficient pads)
+    out, lse = res[0][0], res[1][0].reshape(q.shape[1], -1)[:, :q.shape[0]]
+    return out.transpose(0, 1), lse.float().transpose(0, 1).contiguous()
 
 
 def _folded_gqa(q, k, v, scale):
