@@ -92,24 +92,19 @@ def profile_steps(llm, n, inp):
 
 
 def decode_step_time(llm, n, ctx):
-    """Median time of a full-batch decode step at context ~ctx (timed through the engine)."""
-    rng = np.random.default_rng(1)
-    vocab = llm.config.model.vocab_size
-    ps = [{"prompt_token_ids": rng.integers(100, vocab - 100, ctx).tolist()} for _ in range(n)]
+    """Median time of a decode step with all n requests in the batch, context ~ctx (timed
+    through the engine: host work included). Requests run long enough that the steps after
+    the last prefill still hold the whole batch."""
+    budget = llm.config.scheduler.max_num_batched_tokens
     eng = llm.engine
-    reqs = [eng.make_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in ps]
-    for r in reqs:
-        eng.add_request(r)
-    times = []
+    log = record_steps(llm)
+    for p in random_prompts(llm, n, ctx, 1):
+        eng.add_request(eng.make_request(p, SamplingParams(max_tokens=24 + -(-n * ctx // budget),
+                                                           ignore_eos=True)))
     while eng.has_unfinished():
-        plan_is_decode = all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
         eng.step()
-        torch.cuda.synchronize()
-        if plan_is_decode:
-            times.append(time.perf_counter() - t)
-    return float(np.median(times[5:]))
+    full = [dt for dec, pre, dt in log if dec == n and pre == 0]
+    return float(np.median(full))
 
 
 def hf(model, n, inp, out):

@@ -45,14 +45,6 @@ def _under_torchrun() -> bool:
     return launched_by_torchrun()
 
 
-def default_batched_tokens(device: str, max_num_seqs: int) -> int:
-    """Tokens per step: 16K on GPUs of >= 70 GiB (as vLLM's offline default there), else 8K.
-    A mixed prefill+decode step is launch-bound near 8K tokens on an H200 (~30 ms of kernels
-    behind ~60 ms of host work), so halving the steps nearly halves the prefill phase."""
-    big = device == "cuda" and torch.cuda.get_device_properties(0).total_memory >= 70 << 30
-    return max(16384 if big else 8192, max_num_seqs)
-
-
 def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device: str | None = None,
                         max_model_len: int | None = None, block_size: int = 16,
                         max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
@@ -82,7 +74,7 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
     validate_parallel(parallel, model_cfg, cache, device)
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or default_batched_tokens(device, max_num_seqs),
+    sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
                             max_model_len, enable_chunked_prefill)
     if not enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
