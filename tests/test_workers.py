@@ -1,4 +1,5 @@
 """Worker processes: a dead worker surfaces as an error in bounded time; nothing is left behind."""
+import multiprocessing
 import os
 import signal
 import time
@@ -20,6 +21,16 @@ def test_killed_worker_surfaces_as_error_and_no_process_is_left():
     assert time.monotonic() - start < 30
     llm.shutdown()
     assert all(not p.is_alive() for p in procs)
+
+
+def test_worker_dying_before_it_joins_fails_start_up_fast(monkeypatch):
+    monkeypatch.setenv("LONGSERVE_TEST_WORKER_EXIT", "2")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 2 died .*starting"):
+        LLM("builtin:llama-tiny", device="cpu", tensor_parallel_size=4, distributed_timeout_s=120)
+    assert time.monotonic() - start < 60  # not the 120 s timeout
+    time.sleep(0.5)
+    assert not multiprocessing.active_children()  # the failed start left no process behind
 
 
 def test_shutdown_leaves_no_process():

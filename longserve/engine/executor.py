@@ -41,14 +41,19 @@ class Executor:
         self.procs: list = []
         self.failure: str | None = None
         self._closing = False
-        if world == 1:
-            self.driver = Worker(config)
-        elif launched_by_torchrun():
-            self.driver = self._join_torchrun(config, world)
-        else:
-            self.driver = self._spawn(config, world)
-        self.num_blocks = self.driver.determine_num_blocks()
-        self.driver.init_cache(self.num_blocks)
+        try:
+            if world == 1:
+                self.driver = Worker(config)
+            elif launched_by_torchrun():
+                self.driver = self._join_torchrun(config, world)
+            else:
+                self.driver = self._spawn(config, world)
+            self.num_blocks = self.driver.determine_num_blocks()
+            self.driver.init_cache(self.num_blocks)
+        except BaseException:
+            self._closing = True  # a failed start leaves no worker behind
+            self._kill_all()
+            raise
 
     def _spawn(self, config: EngineConfig, world: int) -> Worker:
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -58,7 +63,11 @@ class Executor:
             p.start()
             self.procs.append(p)
         threading.Thread(target=self._watch, daemon=True).start()
-        return Worker(config, 0, init_method)
+        return Worker(config, 0, init_method, alive_check=self._raise_if_failed)
+
+    def _raise_if_failed(self) -> None:
+        if self.failure:
+            raise RuntimeError(f"{self.failure} while the engine was starting")
 
     def _join_torchrun(self, config: EngineConfig, world: int) -> Worker:
         if int(os.environ["WORLD_SIZE"]) != world:

@@ -5,7 +5,10 @@ import datetime
 import gc
 import os
 import sys
+import time
 import traceback
+from typing import Callable
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -19,9 +22,32 @@ from longserve.worker.utils import MemorySnapshot, request_memory
 SHUTDOWN = "shutdown"
 
 
+def rendezvous(init_method: str, rank: int, world: int, timeout_s: float,
+               alive_check: Callable[[], None] | None = None) -> dist.Store:
+    """The TCP store every rank joins (rank 0 hosts it). Each other rank says hello; rank 0
+    waits for the hellos in one-second rounds and calls `alive_check` between them, so a rank
+    that dies before joining fails start-up at once instead of after the whole timeout."""
+    url = urlparse(init_method)
+    store = dist.TCPStore(url.hostname, url.port, world, is_master=rank == 0,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    if rank != 0:
+        store.set(f"hello/{rank}", "1")
+        return store
+    keys, deadline = [f"hello/{r}" for r in range(1, world)], time.monotonic() + timeout_s
+    while True:
+        if alive_check is not None:
+            alive_check()
+        try:
+            store.wait(keys, datetime.timedelta(seconds=1))
+            return store
+        except RuntimeError as e:  # DistStoreError: not all there yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers did not join within {timeout_s:.0f} s") from e
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
-                 local_rank: int | None = None):
+                 local_rank: int | None = None, alive_check: Callable[[], None] | None = None):
         self.config, self.rank = config, rank
         world = config.parallel.world_size
         if config.device == "cuda":
@@ -32,9 +58,13 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if config.device == "cuda" else "gloo",
-                                    init_method=init_method, rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=config.parallel.distributed_timeout_s))
+            timeout = config.parallel.distributed_timeout_s
+            where = dict(init_method=init_method)
+            if init_method.startswith("tcp://"):  # spawned here; torchrun's env:// joins as is
+                where = dict(store=rendezvous(init_method, rank, world, timeout, alive_check))
+            dist.init_process_group("nccl" if config.device == "cuda" else "gloo", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=timeout),
+                                    **where)
         self.ps = build_parallel_state(config.parallel, rank)
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.ps, self.device)
@@ -81,6 +111,8 @@ class Worker:
 def worker_main(config: EngineConfig, rank: int, init_method: str,
                 local_rank: int | None = None) -> None:
     """Entry of a spawned worker: follow the driver's steps until it says shutdown."""
+    if os.environ.get("LONGSERVE_TEST_WORKER_EXIT") == str(rank):  # test hook: die before joining
+        os._exit(7)
     try:
         worker = Worker(config, rank, init_method, local_rank)
         worker.init_cache(worker.determine_num_blocks())
