@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from longserve.attention.backends import (TorchAttentionBackend, _folded_gqa,
                                           gathered_paged_attention, reference_attention,
@@ -42,6 +44,36 @@ def test_folded_gqa_equals_reference():
         torch.randn(11, 2, 16, generator=gen)
     out, lse = _folded_gqa(q, k, v, 0.25)
     ref_out, ref_lse = reference_attention(q, k, v, False, 0.25)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sq=st.integers(1, 20), sk=st.integers(1, 20), hkv=st.sampled_from([1, 2, 3]),
+       g=st.sampled_from([1, 2, 4]), seed=st.integers(0, 1000))
+def test_folded_gqa_any_shape(sq, sk, hkv, g, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sq, hkv * g, 8, generator=gen)
+    k, v = torch.randn(sk, hkv, 8, generator=gen), torch.randn(sk, hkv, 8, generator=gen)
+    out, lse = _folded_gqa(q, k, v, 0.3)
+    ref_out, ref_lse = reference_attention(q, k, v, False, 0.3)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+       lens=st.lists(st.integers(0, 90), min_size=4, max_size=4), page=st.sampled_from([4, 16]),
+       seed=st.integers(0, 1000))
+def test_gathered_paged_attention_any_batch(rows, lens, page, seed):
+    """Any rows per request, any cached lengths (empty included), any page size."""
+    lens = lens[:len(rows)]
+    if max(lens) == 0:
+        lens[0] = 1
+    q, kc, vc, part = _paged(seed, "cpu", torch.float32, page=page, rows=tuple(rows),
+                             lens=tuple(lens))
+    out, lse = gathered_paged_attention(q, kc, vc, part, 0.2)
+    ref_out, ref_lse = TorchAttentionBackend.paged_attention(q, kc, vc, part, 0.2)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
