@@ -153,20 +153,7 @@ class TorchAttentionBackend:
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
         """Row group r of q over the first kv_lens[r] cached tokens of its block-table row."""
-        block_size, n_heads, d = k_cache.shape[1:]
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
-        qsl, table = part.query_start_loc_cpu, part.block_table
-        k_flat, v_flat = k_cache.reshape(-1, n_heads, d), v_cache.reshape(-1, n_heads, d)
-        for r, kv_len in enumerate(part.kv_lens_cpu):
-            if kv_len == 0 or qsl[r] == qsl[r + 1]:
-                continue
-            j = torch.arange(kv_len, device=q.device)
-            slots = table[r, j // block_size].long() * block_size + j % block_size
-            k, v = k_flat[slots], v_flat[slots]
-            o, l = reference_attention(q[qsl[r]:qsl[r + 1]], k, v, False, scale)
-            out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = o.to(q.dtype), l
-        return out, lse
+        return gathered_paged_attention(q, k_cache, v_cache, part, scale)
 
     @staticmethod
     def dense_attention(q, k, v, causal, scale, need_lse):
@@ -297,8 +284,9 @@ DENSE_PREFIX_MIN_ROWS = 128
 
 
 def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
-    """paged_attention for long chunks: per request, gather its cached K/V pages and run the
-    fused non-causal attention. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32."""
+    """Per request, gather its cached K/V pages and attend without a mask (sdpa_with_lse: the
+    reference math on CPU, fused kernels on CUDA). The reference paged attention, and the CUDA
+    path for long chunks. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32."""
     page, hkv, d = k_cache.shape[1:]
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
