@@ -16,7 +16,7 @@ import time
 import torch.multiprocessing as mp
 
 from longserve.config import EngineConfig
-from longserve.engine.scheduler import SchedulerOutput
+from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
 from longserve.worker.worker import SHUTDOWN, Worker, worker_main
 

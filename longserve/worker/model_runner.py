@@ -10,7 +10,7 @@ from longserve.attention.backends import TorchAttentionBackend, TritonAttentionB
 from longserve.attention.metadata import AttentionMetadata, PagedPart
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import ParallelState
-from longserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.models.loader import build_model
 from longserve.sampling_params import SamplingParams
 from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibility

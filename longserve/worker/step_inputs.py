@@ -17,7 +17,7 @@ import torch
 
 from longserve.attention.metadata import AttentionMetadata, PagedPart, SuffixSegment, VarlenLayout
 from longserve.distributed.parallel_state import ParallelState
-from longserve.engine.scheduler import ScheduledRequest
+from longserve.step_plan import ScheduledRequest
 from longserve.worker.block_table import (compute_slot_mapping, get_dcp_local_seq_lens,
                                           map_to_kernel_blocks)
 from longserve.worker.cp_utils import PCPManager

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import build_parallel_state
-from longserve.engine.scheduler import SchedulerOutput
+from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from longserve.worker.utils import MemorySnapshot, request_memory
 

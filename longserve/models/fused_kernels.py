@@ -1,0 +1,122 @@
+"""Triton kernels behind `fused_ops` (CUDA tensors, or the CPU under TRITON_INTERPRET=1).
+
+Imported only when a kernel is about to run, so a CPU install needs no Triton. Each kernel
+reproduces the rounding of the torch version in fused_ops.py that it replaces.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------
+# RMSNorm, optionally fused with the residual add: one program per row
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                     stride_ro, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RES:  # x + residual, rounded to the dtype as torch's add does, is the new residual
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0)
+             .to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=ok)
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    out = h.to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm_triton(x, weight, eps, residual=None):
+    shape, n = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, n)
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res2 = residual.reshape(-1, n) if residual is not None else x2
+    res_out = torch.empty_like(x2) if residual is not None else out
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0),
+                                  out.stride(0), res_out.stride(0), eps, N=n, BLOCK=block,
+                                  HAS_RES=residual is not None,
+                                  num_warps=min(16, max(1, block // 256)))
+    out = out.view(shape)
+    return out if residual is None else (out, res_out.view(shape))
+
+
+# --------------------------------------------------------------------------------------
+# Neox-style rotary embedding, optionally after a per-head RMSNorm (Qwen3's q/k norm):
+# one program per token, all its heads at once
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot,
+                   stride_oh, stride_c, H, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK)[None, :]
+    ok = (h < H) & (i < HALF)
+    src = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(src + i, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF + i, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:  # RMSNorm over each head's 2 * HALF values, rounded as rms_norm_torch rounds
+        r = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+        a = ((a * r).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        b = ((b * r).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    # cos / sin rounded to the model dtype, as HF multiplies in that dtype
+    c = tl.load(cos_ptr + t * stride_c + i, mask=i < HALF, other=0.0).to(x1.dtype).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_c + i, mask=i < HALF, other=0.0).to(x1.dtype).to(tl.float32)
+    dst = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(dst + i, (a * c - b * s).to(x1.dtype), mask=ok)
+    tl.store(dst + HALF + i, (b * c + a * s).to(x1.dtype), mask=ok)
+
+
+def rotary_triton(x, cos, sin, norm_weight=None, eps=0.0):
+    T, H, D = x.shape
+    out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    if T:
+        assert x.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+        w = norm_weight if norm_weight is not None else cos  # a dummy pointer without norm
+        _rotary_kernel[(T,)](x, out, cos, sin, w, eps, x.stride(0), x.stride(1), out.stride(0),
+                             out.stride(1), cos.stride(0), H, HALF=D // 2,
+                             BLOCK_H=triton.next_power_of_2(H), BLOCK=triton.next_power_of_2(D // 2),
+                             NORM=norm_weight is not None, num_warps=4 if H * D >= 2048 else 2)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# SiLU(gate) * up of the MLP: [T, 2I] -> [T, I]
+# --------------------------------------------------------------------------------------
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + I + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded as F.silu's output is
+    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
+             mask=ok)
+
+
+def silu_and_mul_triton(x):
+    T, two_i = x.shape
+    i = two_i // 2
+    out = torch.empty(T, i, dtype=x.dtype, device=x.device)
+    if T:
+        assert x.stride(-1) == 1
+        block = min(1024, triton.next_power_of_2(i))
+        _silu_and_mul_kernel[(T, triton.cdiv(i, block))](x, out, x.stride(0), out.stride(0), i,
+                                                         BLOCK=block, num_warps=4)
+    return out
+

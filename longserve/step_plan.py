@@ -1,0 +1,38 @@
+"""The step plan: what the scheduler decides for one step and every worker receives.
+
+The engine (scheduler, executor) writes it and the workers read it; it lives here, below
+both, so that no worker module imports the engine. Plain, picklable data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from longserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step, as every worker receives it."""
+    req_id: str
+    token_ids: list[int]  # tokens at positions num_computed_tokens ... (this step's chunk)
+    num_computed_tokens: int
+    block_ids: list[int]  # the request's whole block list when `new`, else blocks added since
+    new: bool  # the workers have no state for it yet (first step, or resumed after preemption)
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    sampling_params: SamplingParams | None = None  # with `new` only
+    seed_offset: int = 0  # tokens sampled so far (keeps seeded sampling reproducible on resume)
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # workers drop their state
+    new_block_ids: list[int] = field(default_factory=list)  # to be zeroed before use
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
