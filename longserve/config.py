@@ -58,9 +58,30 @@ class ModelConfig:
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in model folder {path!r}")
-        with open(config_file) as f:
-            hf = json.load(f)
-        return cls.from_hf_dict(path, hf)
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                hf = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"{config_file} must hold a JSON object, got {type(hf).__name__}")
+        try:
+            cfg = cls.from_hf_dict(path, hf)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{config_file}: missing or malformed field {e}") from None
+        cfg.check(config_file)
+        return cfg
+
+    def check(self, source: str) -> None:
+        """The sizes are positive integers and the heads divide evenly (else a clear error)."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{source}: {name} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{source}: num_key_value_heads={self.num_kv_heads} must divide "
+                             f"num_attention_heads={self.num_heads}")
 
     @classmethod
     def from_hf_dict(cls, path: str, hf: dict) -> "ModelConfig":
@@ -142,6 +163,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        # a limit below 1 would build an engine that never schedules anything
+        for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from longserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelCo
                               SchedulerConfig, parse_dtype)
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.request import RequestOutput
+from longserve.inputs import is_token_list
 from longserve.models.builtin import resolve_model
 from longserve.sampling_params import SamplingParams
 
@@ -19,13 +20,16 @@ def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig,
                  data_parallel_size=p.data_parallel_size,
                  cp_kv_cache_interleave_size=p.cp_kv_cache_interleave_size)
     for name, v in sizes.items():
-        if not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     tp, dcp = p.tensor_parallel_size, p.decode_context_parallel_size
     if tp % dcp:
         raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}")
     if model.num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the {model.num_heads} attention heads")
+    if model.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the MLP's intermediate_size="
+                         f"{model.intermediate_size}")
     groups = tp // dcp  # KV head groups (see kv_head_range)
     if model.num_kv_heads % groups and groups % model.num_kv_heads:
         raise ValueError(f"{model.num_kv_heads} KV heads cannot be split over tp/dcp={groups} groups")
@@ -60,11 +64,25 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb,
+                      num_gpu_blocks=num_gpu_blocks, seed=seed, attention_backend=attention_backend,
+                      load_format=load_format, distributed_timeout_s=distributed_timeout_s,
+                      enable_prefix_caching=enable_prefix_caching,
+                      enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
+                      enable_sequence_parallel=enable_sequence_parallel)
     model_cfg = ModelConfig.from_pretrained(resolve_model(model, seed))
     if dtype == "auto":
         dtype = torch.float32 if device == "cpu" else (
             torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype)
-    max_model_len = max_model_len or model_cfg.max_position_embeddings
+    limit = model_cfg.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = limit
+    elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
+            or not 2 <= max_model_len <= limit:
+        raise ValueError(f"max_model_len must be an integer in [2, {limit}] (the model's "
+                         f"max_position_embeddings), got {max_model_len!r}")
     cache = CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching,
                         int(cpu_kv_cache_gb * (1 << 30)), num_gpu_blocks)
     parallel = ParallelConfig(tensor_parallel_size, prefill_context_parallel_size,
@@ -72,14 +90,57 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
                               cp_kv_cache_interleave_size, enable_sequence_parallel,
                               distributed_timeout_s)
     validate_parallel(parallel, model_cfg, cache, device)
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
                             max_model_len, enable_chunked_prefill)
+    if sched.max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens={sched.max_num_batched_tokens} must be >= "
+                         f"max_num_seqs={max_num_seqs} (each running request needs a token a step)")
     if not enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
     return EngineConfig(model_cfg, cache, parallel, sched, parse_dtype(dtype), device,
                         enforce_eager, seed, attention_backend, load_format)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def check_engine_args(**args) -> None:
+    """Types and ranges of the engine's scalar arguments; the message names the field."""
+    def integer(name, lo, hi=None, optional=False):
+        v = args[name]
+        if optional and v is None:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+            raise ValueError(f"{name} must be an integer in [{lo}, {hi if hi else 'inf'}]"
+                             f"{' or None' if optional else ''}, got {v!r}")
+
+    def number(name, lo, hi=None):  # lo < v <= hi
+        v = args[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > lo \
+                or (hi is not None and not v <= hi):
+            raise ValueError(f"{name} must be a number in ({lo}, {hi if hi else 'inf'}], got {v!r}")
+
+    integer("block_size", 1, MAX_BLOCK_SIZE)
+    if args["block_size"] & (args["block_size"] - 1):
+        raise ValueError(f"block_size must be a power of two, got {args['block_size']}")
+    integer("max_num_seqs", 1)
+    integer("max_num_batched_tokens", 1, optional=True)
+    integer("num_gpu_blocks", 1, optional=True)
+    integer("seed", -(1 << 63), (1 << 63) - 1)
+    number("gpu_memory_utilization", 0, 1)
+    number("cpu_kv_cache_gb", 0)
+    number("distributed_timeout_s", 0)
+    for name, allowed in (("attention_backend", ATTENTION_BACKENDS), ("load_format", LOAD_FORMATS)):
+        if args[name] not in allowed:
+            raise ValueError(f"{name} must be one of {list(allowed)}, got {args[name]!r}")
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                 "enable_sequence_parallel"):
+        if not isinstance(args[name], bool):
+            raise ValueError(f"{name} must be True or False, got {args[name]!r}")
+
+
+MAX_BLOCK_SIZE = 4096
 
 
 class LLM:
@@ -94,8 +155,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        if isinstance(prompts, (str, dict)) or is_token_list(prompts):
+            prompts = [prompts]  # one prompt
+        prompts = list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):

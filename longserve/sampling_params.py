@@ -1,7 +1,42 @@
-"""Per-request sampling settings, in vLLM's shape."""
+"""Per-request sampling settings, in vLLM's shape.
+
+`validate()` checks every field's type and range (messages name the field and what is
+allowed) and normalizes integer-like values (numpy / torch integers) to Python ints.
+The engine queues `canonical()`, a plain `SamplingParams` copy: it always pickles to the
+workers, whatever subclass or extra attributes the caller used.
+"""
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
+
+SEED_RANGE = (-(1 << 63), 1 << 64)
+
+
+def as_int(value, name: str, lo: int | None = None, hi: int | None = None):
+    """`value` as a Python int in [lo, hi); bools, floats (even 2.0) and strings are refused."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # 0-d numpy / torch value
+        value = value.item()  # an int stays an int; a float or bool is refused below
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {_short(value)}")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value >= hi):
+        raise ValueError(f"{name} must be in [{lo if lo is not None else '-inf'}, "
+                         f"{hi - 1 if hi is not None else 'inf'}], got {value}")
+    return value
+
+
+def as_float(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {type(value).__name__} {_short(value)}")
+    return float(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass
@@ -19,29 +54,57 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
-        if not self.temperature >= 0.0:
+        """Check every field and normalize it in place (numpy ints -> int, stop str -> list)."""
+        self.temperature = as_float(self.temperature, "temperature")
+        if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = as_float(self.top_p, "top_p")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive int, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        self.top_k = as_int(self.top_k, "top_k (-1 or 0: off)", -1)
+        self.top_k = 0 if self.top_k == -1 else self.top_k
+        if self.seed is not None:
+            self.seed = as_int(self.seed, "seed", *SEED_RANGE)
+        if self.max_tokens is not None:
+            self.max_tokens = as_int(self.max_tokens, "max_tokens", 1)
+        self.min_tokens = as_int(self.min_tokens, "min_tokens", 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens}")
+        if self.logprobs is not None:
+            self.logprobs = as_int(self.logprobs, "logprobs", 0)
+        self.stop = self._stop_strings(self.stop)
+        self.stop_token_ids = self._token_list(self.stop_token_ids, "stop_token_ids")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {_short(getattr(self, name))}")
+
+    @staticmethod
+    def _stop_strings(stop) -> list[str]:
+        if stop is None:
+            return []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {_short(stop)}")
+        return list(stop)
+
+    @staticmethod
+    def _token_list(ids, name: str) -> list[int]:
+        if ids is None:
+            return []
+        if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"{name} must be a list of token ids, got {_short(ids)}")
+        return [as_int(t, f"{name} entries", 0) for t in ids]
+
+    def canonical(self) -> "SamplingParams":
+        """A validated plain SamplingParams copy (what the engine queues and sends to workers)."""
+        self.validate()
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)}
+        values = {k: list(v) if isinstance(v, list) else v for k, v in values.items()}
+        return SamplingParams(**values)
 
     @property
     def greedy(self) -> bool:

@@ -6,10 +6,12 @@ import os
 import time
 
 from longserve.config import EngineConfig
+from longserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from longserve.engine.executor import Executor
 from longserve.engine.kv_cache_manager import KVCacheManager
 from longserve.engine.request import CompletionOutput, Request, RequestOutput
 from longserve.engine.scheduler import Scheduler
+from longserve.inputs import parse_prompt
 from longserve.sampling_params import SamplingParams
 
 
@@ -18,7 +20,10 @@ def load_tokenizer(path: str):
     if not os.path.isfile(file):
         return None
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(file)
+    try:
+        return Tokenizer.from_file(file)
+    except Exception as e:  # the Rust side raises a bare Exception for a corrupt file
+        raise ValueError(f"cannot read the tokenizer {file}: {e}") from None
 
 
 class LLMEngine:
@@ -43,19 +48,13 @@ class LLMEngine:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def make_request(self, prompt, params: SamplingParams) -> Request:
-        """Validate one prompt (a string or {"prompt_token_ids": [...]}) into a request."""
+        """Validate one prompt (see longserve/inputs.py) and its parameters into a request."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params.validate()
-        text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, dict):
-            ids = list(prompt.get("prompt_token_ids") or [])
-            text = prompt.get("prompt")
-        elif isinstance(prompt, str):
-            ids = self.encode(prompt)
-        else:
-            raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        params = params.canonical()  # plain and validated: it always pickles to the workers
+        ids, text = parse_prompt(prompt, self.encode)
         self.check_prompt(ids)
+        self.check_params(params, len(ids))
         return Request(str(next(self._ids)), ids, params, eos_token_ids=self.config.model.eos_token_ids,
                        prompt=text, arrival=time.perf_counter())
 
@@ -69,10 +68,16 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        need = self.kv.blocks_needed(len(ids) + 1)
-        if need > self.kv.num_blocks:
-            raise ValueError(f"the prompt needs {need} KV blocks but the cache has only "
-                             f"{self.kv.num_blocks}; give the KV cache more memory")
+
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """Checks that need the model or the pool (the request must fit the pool alone)."""
+        vocab = self.config.model.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be in [0, {vocab}] (the vocabulary), got {params.logprobs}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self.scheduler.check_fits(num_prompt_tokens, params.max_tokens)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -88,7 +93,7 @@ class LLMEngine:
         """One scheduled step; returns the requests that finished in it."""
         out = self.scheduler.schedule()
         if out.is_empty and not out.finished_req_ids:
-            return []
+            return self.scheduler.update_from_output(out, {})  # any finished while planning
         result = self.executor.execute(out)
         now = time.perf_counter()
         for req_id in result.sampled:
@@ -96,24 +101,35 @@ class LLMEngine:
             if req is not None and req.first_token_time is None:
                 req.first_token_time = now
         finished = self.scheduler.update_from_output(out, result.sampled, result.logprobs)
-        return finished + self._apply_stop_strings(result.sampled)
+        return finished + self._apply_stop_strings(result.sampled, finished)
 
-    def _apply_stop_strings(self, sampled: dict[str, int]) -> list[Request]:
-        finished = []
+    def _apply_stop_strings(self, sampled: dict[str, int], finished: list[Request]) -> list[Request]:
+        """Stop strings, checked on the new text only; one completed by the last allowed token
+        still counts (its request just finished by length); none counts before min_tokens."""
+        just_finished = {r.request_id: r for r in finished}
+        stopped = []
         for req_id in sampled:
-            req = self.scheduler.requests.get(req_id)
-            if req is None or not req.sampling_params.stop:
+            req = self.scheduler.requests.get(req_id) or just_finished.get(req_id)
+            params = None if req is None else req.sampling_params
+            if params is None or not params.stop or req.finish_reason == "stop":
                 continue
-            text = self.decode(req.output_token_ids)
-            for stop in req.sampling_params.stop:
-                at = text.find(stop)
-                if at >= 0:
-                    keep = at + len(stop) if req.sampling_params.include_stop_str_in_output else at
-                    req.output_text, req.stop_reason = text[:keep], stop
-                    self.scheduler.finish_request(req_id, "stop")
-                    finished.append(req)
-                    break
-        return finished
+            if req.detokenizer is None:
+                req.detokenizer = IncrementalDetokenizer(self.decode)
+            new = req.detokenizer.update(req.output_token_ids)
+            if not new or len(req.output_token_ids) < params.min_tokens:
+                continue
+            hit = find_stop(req.detokenizer.text, len(new), params.stop)
+            if hit is None:
+                continue
+            at, stop = hit
+            keep = at + len(stop) if params.include_stop_str_in_output else at
+            req.output_text, req.stop_reason = req.detokenizer.text[:keep], stop
+            if req_id in just_finished:
+                req.finish_reason = "stop"  # was "length"
+            else:
+                self.scheduler.finish_request(req_id, "stop")
+                stopped.append(req)
+        return stopped
 
     def to_output(self, req: Request) -> RequestOutput:
         text = req.output_text if req.stop_reason in req.sampling_params.stop else \

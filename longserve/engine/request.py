@@ -35,6 +35,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     output_text: str = ""
+    detokenizer: object | None = None  # IncrementalDetokenizer, for stop strings
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -5,6 +5,13 @@ prefill chunks, in arrival order), then waiting requests. When the KV pool runs
 short, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (its
 full blocks usually come back as prefix-cache hits).
+
+Liveness: the oldest running request is never a victim (victims come from the tail), so it
+gains at least one token every step and finishes; then the next one is oldest. That needs
+every request to fit the pool *alone* at its longest (prompt + max_tokens, capped by
+max_model_len): `check_fits` is the door rule the engine applies before queueing. A request
+that got in without it and outgrows the whole pool is finished ("length") rather than
+preempted and readmitted forever.
 """
 from __future__ import annotations
 
@@ -25,6 +32,18 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._num_blocks_sent: dict[str, int] = {}  # blocks the workers already know of
         self._finished_ids: list[str] = []
+        self._finished_in_schedule: list[Request] = []  # outgrew the whole pool (see check_fits)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Refuse a request that could not run even alone in the pool at its longest."""
+        max_len = self.config.max_model_len
+        longest = min(num_prompt_tokens + (max_tokens or max_len), max_len)
+        need = self.kv.blocks_needed(longest - 1)  # the last sampled token is never cached
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"the request needs {need} KV blocks ({num_prompt_tokens} prompt tokens + up to "
+                f"{longest - num_prompt_tokens} output tokens), the cache has {self.kv.num_blocks}; "
+                "lower max_tokens, shorten the prompt or give the KV cache more memory")
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -66,6 +85,9 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
+                if victim is req and i == 0:  # alone, and the whole pool cannot hold it
+                    self._finish_outgrown(req)
+                    break
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -94,6 +116,9 @@ class Scheduler:
             n = self._chunk_size(req, budget)
             if n == 0 or not self.kv.allocate_slots(req, n, computed_blocks):
                 req.num_computed_tokens = 0
+                if n and not self.running:  # the whole pool is free and still too small
+                    self._finish_outgrown(req)
+                    continue
                 break
             self.kv.num_cached_tokens_hit += num_computed
             self.waiting.popleft()
@@ -101,6 +126,11 @@ class Scheduler:
             self.running.append(req)
             plan.append((req, n))
             budget -= n
+
+    def _finish_outgrown(self, req: Request) -> None:
+        req.finish_reason = "length"
+        self.finish_request(req.request_id)
+        self._finished_in_schedule.append(req)
 
     def _describe(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -121,7 +151,7 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, dict[int, float]] | None = None) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests; returns the finished."""
-        finished = []
+        finished, self._finished_in_schedule = self._finished_in_schedule, []
         for sr in out.requests:
             req = self.requests.get(sr.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -136,7 +166,8 @@ class Scheduler:
             if self._check_stop(req):
                 finished.append(req)
         for req in finished:
-            self.finish_request(req.request_id, req.finish_reason)
+            if not req.is_finished:
+                self.finish_request(req.request_id, req.finish_reason)
         return finished
 
     def _check_stop(self, req: Request) -> bool:

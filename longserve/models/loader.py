@@ -38,8 +38,11 @@ def build_model(cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, device:
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index} is not a valid weight index: {e!r}") from None
         files = [os.path.join(path, n) for n in names]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
@@ -56,19 +59,28 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
     shapes = checkpoint_shapes(cfg)
     loaded: set[tuple] = set()
     for file in safetensors_files(cfg.path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # some tied checkpoints still carry a copy
-                load_one(params, name, f.get_tensor(name), file, loaded, shapes)
+        try:
+            load_file(params, file, cfg, loaded, shapes)
+        except ValueError:
+            raise  # ours: names the tensor and the file
+        except Exception as e:  # a truncated or corrupt file (SafetensorError, OSError, ...)
+            raise ValueError(f"cannot read weights from {file}: {e}") from None
     missing = [f"{n} ({shard})" if shard is not None else n
                for n in params for shard in expected_shards(n) if (n, shard) not in loaded
                and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
         raise ValueError(f"weights missing from {cfg.path!r}: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+
+
+def load_file(params: dict, file: str, cfg: ModelConfig, loaded: set, shapes: dict) -> None:
+    with safe_open(file, framework="pt") as f:
+        for name in f.keys():
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # some tied checkpoints still carry a copy
+            load_one(params, name, f.get_tensor(name), file, loaded, shapes)
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

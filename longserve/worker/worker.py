@@ -82,6 +82,12 @@ class Worker:
             t = torch.tensor([n], device=self.device if self.device.type == "cuda" else "cpu")
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             n = int(t.item())
+        if n < 1:
+            per_block = self.runner.kv_bytes_per_block()
+            raise ValueError(
+                f"the KV cache has room for no block (one block of block_size={cache.block_size} "
+                f"needs {per_block} bytes a rank); raise cpu_kv_cache_gb / gpu_memory_utilization "
+                "or lower block_size")
         return n
 
     def _cuda_num_blocks(self) -> int:

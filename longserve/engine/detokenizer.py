@@ -1,0 +1,36 @@
+"""Incremental detokenization and stop strings.
+
+Decoding a few tokens at a time: the text of tokens[read_offset:] is the decode of
+tokens[prefix_offset:] minus the decode of tokens[prefix_offset:read_offset] (a little left
+context keeps word-boundary spaces right). While the tail ends in an incomplete UTF-8
+sequence (U+FFFD) no text is emitted yet. Each step therefore decodes a handful of tokens,
+and a stop string is searched only in the new text plus the longest stop string's length
+of overlap, not in the whole output.
+"""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decode):
+        self.decode = decode  # token ids -> text
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def update(self, token_ids: list[int]) -> str:
+        """Bring `text` up to date with `token_ids`; returns the text added."""
+        prefix = self.decode(token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        new = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        self.text += new
+        return new
+
+
+def find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string that ends within the last `num_new_chars` characters of `text`."""
+    start = max(0, len(text) - num_new_chars - max(map(len, stops)) + 1)
+    hits = [(at, s) for s in stops if (at := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
