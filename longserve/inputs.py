@@ -28,11 +28,12 @@ def as_token_ids(value, name: str = "prompt_token_ids") -> list[int]:
 
 
 def is_token_list(value) -> bool:
-    """One prompt given as ids (not a batch of prompts)."""
+    """One prompt given as ids (not a batch of prompts): numbers (floats too, refused later
+    with a message naming the entry) or a 1-D array / tensor."""
     if hasattr(value, "dtype") and hasattr(value, "ndim"):
         return value.ndim == 1
     return (isinstance(value, (list, tuple)) and len(value) > 0
-            and all(isinstance(t, numbers.Integral) or getattr(t, "ndim", None) == 0 for t in value))
+            and all(isinstance(t, numbers.Number) or getattr(t, "ndim", None) == 0 for t in value))
 
 
 def parse_prompt(prompt, encode) -> tuple[list[int], str | None]:
