@@ -23,9 +23,19 @@ _DTYPES = {
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
     return _DTYPES[dtype]
+
+
+HF_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads")
+HF_SIZE_FIELDS = HF_REQUIRED_FIELDS + ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),  # see models/layers.py rope_inv_freq
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                "original_max_position_embeddings")}
 
 
 @dataclass
@@ -65,6 +75,12 @@ class ModelConfig:
             raise ValueError(f"{config_file} is not valid JSON: {e}") from None
         if not isinstance(hf, dict):
             raise ValueError(f"{config_file} must hold a JSON object, got {type(hf).__name__}")
+        for key in HF_SIZE_FIELDS:  # before any arithmetic on them
+            v = hf.get(key, 1)
+            if key in HF_REQUIRED_FIELDS and key not in hf:
+                raise ValueError(f"{config_file}: missing field {key!r}")
+            if (key in HF_REQUIRED_FIELDS or v is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{config_file}: {key} must be a positive integer, got {v!r}")
         try:
             cfg = cls.from_hf_dict(path, hf)
         except (KeyError, TypeError, AttributeError) as e:
@@ -73,12 +89,21 @@ class ModelConfig:
         return cfg
 
     def check(self, source: str) -> None:
-        """The sizes are positive integers and the heads divide evenly (else a clear error)."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{source}: {name} must be a positive integer, got {v!r}")
+        rs = self.rope_scaling
+        if rs is not None and not isinstance(rs, dict):
+            raise ValueError(f"{source}: rope_scaling must be an object or null, got {rs!r}")
+        kind = (rs or {}).get("rope_type", (rs or {}).get("type", "default"))
+        if kind not in ROPE_SCALING_KEYS:
+            raise ValueError(f"{source}: unsupported rope_scaling type {kind!r} "
+                             f"(supported: {', '.join(ROPE_SCALING_KEYS)})")
+        for key in ROPE_SCALING_KEYS[kind]:
+            v = rs.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{source}: rope_scaling {kind} needs a positive number "
+                                 f"{key!r}, got {v!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_ids):
+            raise ValueError(f"{source}: eos_token_id must be an integer or a list of them, "
+                             f"got {self.eos_token_ids!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{source}: num_key_value_heads={self.num_kv_heads} must divide "
                              f"num_attention_heads={self.num_heads}")
@@ -86,6 +111,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, path: str, hf: dict) -> "ModelConfig":
         archs = hf.get("architectures") or []
+        archs = [archs] if isinstance(archs, str) else archs
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs} in {path!r}; "

@@ -1,6 +1,8 @@
 """`LLM`: the offline API, in vLLM's shape."""
 from __future__ import annotations
 
+import os
+
 import torch
 from tqdm import tqdm
 
@@ -61,6 +63,9 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
                         num_gpu_blocks: int | None = None, cpu_kv_cache_gb: float = 0.25,
                         attention_backend: str = "auto", load_format: str = "auto",
                         distributed_timeout_s: float = 300.0) -> EngineConfig:
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a folder path or 'builtin:<name>', got {type(model).__name__}")
+    model = os.fspath(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")

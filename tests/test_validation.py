@@ -197,6 +197,7 @@ def test_unpicklable_params_subclass_cannot_kill_a_tp2_engine(pool_whole):
     (dict(load_format="pt"), r"load_format must be one of \['auto', 'dummy'\]"),
     (dict(attention_backend="flash"), r"attention_backend must be one of \['auto', 'torch', 'triton'\]"),
     (dict(dtype="float8"), r"unknown dtype"),
+    (dict(dtype=[32]), r"unknown dtype"),
     (dict(seed=0.5), r"seed must be an integer"),
     (dict(enable_prefix_caching="no"), r"enable_prefix_caching must be True or False"),
     (dict(distributed_timeout_s=0), r"distributed_timeout_s must be a number in \(0"),
@@ -205,6 +206,11 @@ def test_unpicklable_params_subclass_cannot_kill_a_tp2_engine(pool_whole):
 def test_bad_engine_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM("builtin:llama-tiny", **{"device": "cpu", **kwargs})
+
+
+def test_model_argument_must_be_a_path():
+    with pytest.raises(ValueError, match="model must be a folder path or 'builtin:<name>'"):
+        LLM(5, device="cpu")
 
 
 def model_copy(tmp_path, **config_changes):
@@ -226,7 +232,11 @@ def test_intermediate_size_not_divisible_by_tp(tmp_path):
 @pytest.mark.parametrize("changes, message", [
     (dict(vocab_size=-5), r"config.json: vocab_size must be a positive integer, got -5"),
     (dict(hidden_size="64"), r"config.json: hidden_size must be a positive integer"),
-    (dict(num_attention_heads=None), r"config.json: missing or malformed field"),
+    (dict(num_attention_heads=None), r"config.json: num_attention_heads must be a positive integer"),
+    (dict(rope_scaling=5), r"config.json: rope_scaling must be an object"),
+    (dict(rope_scaling={"rope_type": "llama3"}), r"config.json: rope_scaling llama3 needs a positive number 'factor'"),
+    (dict(rope_scaling={"rope_type": "yarn"}), r"config.json: unsupported rope_scaling type 'yarn'"),
+    (dict(eos_token_id="2"), r"config.json: eos_token_id must be an integer or a list"),
     (dict(num_key_value_heads=3), r"num_key_value_heads=3 must divide num_attention_heads=4"),
 ])
 def test_bad_config_values_name_the_file(tmp_path, changes, message):
