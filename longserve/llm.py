@@ -97,9 +97,6 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
     validate_parallel(parallel, model_cfg, cache, device)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
                             max_model_len, enable_chunked_prefill)
-    if sched.max_num_batched_tokens < max_num_seqs:
-        raise ValueError(f"max_num_batched_tokens={sched.max_num_batched_tokens} must be >= "
-                         f"max_num_seqs={max_num_seqs} (each running request needs a token a step)")
     if not enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
     return EngineConfig(model_cfg, cache, parallel, sched, parse_dtype(dtype), device,
@@ -108,6 +105,7 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+MAX_BLOCK_SIZE = 4096
 
 
 def check_engine_args(**args) -> None:
@@ -143,9 +141,6 @@ def check_engine_args(**args) -> None:
                  "enable_sequence_parallel"):
         if not isinstance(args[name], bool):
             raise ValueError(f"{name} must be True or False, got {args[name]!r}")
-
-
-MAX_BLOCK_SIZE = 4096
 
 
 class LLM:
