@@ -38,6 +38,16 @@ ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),  # see models/layers.
                                 "original_max_position_embeddings")}
 
 
+def check_hf_sizes(hf: dict, source: str) -> None:
+    for key in HF_SIZE_FIELDS:
+        required = key in HF_REQUIRED_FIELDS
+        if required and key not in hf:
+            raise ValueError(f"{source}: missing field {key!r}")
+        v = hf.get(key)
+        if (required or v is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{source}: {key} must be a positive integer, got {v!r}")
+
+
 @dataclass
 class ModelConfig:
     """The architecture, read from a HF config.json."""
@@ -75,12 +85,6 @@ class ModelConfig:
             raise ValueError(f"{config_file} is not valid JSON: {e}") from None
         if not isinstance(hf, dict):
             raise ValueError(f"{config_file} must hold a JSON object, got {type(hf).__name__}")
-        for key in HF_SIZE_FIELDS:  # before any arithmetic on them
-            v = hf.get(key, 1)
-            if key in HF_REQUIRED_FIELDS and key not in hf:
-                raise ValueError(f"{config_file}: missing field {key!r}")
-            if (key in HF_REQUIRED_FIELDS or v is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{config_file}: {key} must be a positive integer, got {v!r}")
         try:
             cfg = cls.from_hf_dict(path, hf)
         except (KeyError, TypeError, AttributeError) as e:
@@ -116,6 +120,7 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported architecture {archs} in {path!r}; "
                              f"LongServe runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        check_hf_sizes(hf, os.path.join(path, "config.json"))  # before any arithmetic on them
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -224,7 +224,7 @@ def model_copy(tmp_path, **config_changes):
 
 def test_intermediate_size_not_divisible_by_tp(tmp_path):
     dst = model_copy(tmp_path, intermediate_size=225)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the MLP's intermediate_size=225"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide .*intermediate_size=225"):
         LLM(str(dst), device="cpu", tensor_parallel_size=2, load_format="dummy")
 
 
@@ -233,7 +233,7 @@ def test_intermediate_size_not_divisible_by_tp(tmp_path):
     (dict(hidden_size="64"), r"config.json: hidden_size must be a positive integer"),
     (dict(num_attention_heads=None), r"config.json: num_attention_heads must be a positive integer"),
     (dict(rope_scaling=5), r"config.json: rope_scaling must be an object"),
-    (dict(rope_scaling={"rope_type": "llama3"}), r"config.json: rope_scaling llama3 needs a positive number 'factor'"),
+    (dict(rope_scaling={"rope_type": "llama3"}), r"config.json: rope_scaling llama3 needs .*'factor'"),
     (dict(rope_scaling={"rope_type": "yarn"}), r"config.json: unsupported rope_scaling type 'yarn'"),
     (dict(eos_token_id="2"), r"config.json: eos_token_id must be an integer or a list"),
     (dict(num_key_value_heads=3), r"num_key_value_heads=3 must divide num_attention_heads=4"),
