@@ -51,7 +51,7 @@ class ModelRunner:
         self.backend = choose_backend(config, device)
         check_attention_cp_compatibility(config.parallel, [type(self.backend)])
         self.model = build_model(config.model, ps, config.dtype, str(device), config.load_format,
-                                 config.seed)
+                                 config.seed, config.parallel.enable_expert_parallel)
         self.layers = {a.layer_name: a for a in self.model.attention_layers()}
         self.block_size = config.cache.block_size
         par = config.parallel
