@@ -35,6 +35,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     output_text: str = ""
+    data_parallel_rank: int | None = None  # pinned DP rank (None: the balancer chooses)
 
     @property
     def all_token_ids(self) -> list[int]:
