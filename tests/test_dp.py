@@ -141,3 +141,54 @@ def test_killed_worker_on_one_dp_rank_fails_the_engine(models):
 def test_bad_layouts_fail_at_start(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(device="cpu", **kwargs)
+
+
+# ---- rules that hold for every input ---------------------------------------------------
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from longserve.config import SchedulerConfig  # noqa: E402
+from longserve.engine.dp_scheduler import DPScheduler  # noqa: E402
+from longserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
+from longserve.engine.request import Request  # noqa: E402
+from longserve.worker.dp_step import balanced_split  # noqa: E402
+
+
+@given(st.lists(st.integers(1, 600), min_size=2, max_size=40))
+def test_balanced_split_minimises_the_larger_micro_batch(tokens):
+    import numpy as np
+    k = balanced_split(np.array(tokens))
+    assert 1 <= k < len(tokens)
+    larger = lambda j: max(sum(tokens[:j]), sum(tokens[j:]))  # noqa: E731
+    assert larger(k) == min(larger(j) for j in range(1, len(tokens)))
+
+
+@given(st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=1, max_size=30))
+def test_balancer_picks_the_least_loaded_rank_or_the_pinned_one(pins):
+    sched = DPScheduler(SchedulerConfig(), [KVCacheManager(8, 16) for _ in range(3)], False)
+    for i, pin in enumerate(pins):
+        load = [4 * len(s.waiting) + len(s.running) for s in sched.schedulers]
+        req = Request(str(i), [1, 2], SamplingParams(), data_parallel_rank=pin)
+        sched.add_request(req)
+        chosen = next(d for d, s in enumerate(sched.schedulers) if req in s.waiting)
+        assert chosen == (pin if pin is not None else load.index(min(load)))
+    assert sum(len(s.waiting) for s in sched.schedulers) == len(pins)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_with_two_dp_ranks_matches_one_rank():
+    """`torchrun --nproc-per-node 2 ... -dp 2 --enable-expert-parallel`: rank 0 balances and
+    prints, both exit 0, the text of one rank."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = ["-m", "longserve.entrypoints.cli", "generate", "--device", "cpu", "--max-tokens", "6",
+           "--model", "builtin:qwen3-moe-tiny", "--prompt", "Hello there", "--prompt", "Once upon"]
+    one = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          *cmd, "-dp", "2", "--enable-expert-parallel"],
+                         capture_output=True, text=True, timeout=180)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    text = lambda out: [json.loads(line)["text"] for line in out.splitlines() if line.startswith("{")]  # noqa: E731
+    assert text(two.stdout) == text(one.stdout) and len(text(one.stdout)) == 2
