@@ -142,21 +142,24 @@ class FusedMoE(nn.Module):
         return y
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's share of sum_k weight_k * expert_k(x) for every row of x."""
+        """This rank's share of sum_k weight_k * expert_k(x) for every row of x.
+
+        The (token, k) pairs are sorted by local expert (then token: HF's summation order);
+        pairs routed to other ranks' experts sort last with weight 0. No step here waits
+        for the device (group ends by searchsorted), so the host keeps queueing work."""
         num_tokens, k = ids.shape
         local = (ids - self.first).flatten()
-        token = torch.arange(num_tokens, device=x.device).repeat_interleave(k)
-        w = weights.flatten()
-        if self.num_local != self.num_experts:  # EP: keep the pairs routed to this rank
-            keep = (local >= 0) & (local < self.num_local)
-            local, token, w = local[keep], token[keep], w[keep]
-        order = torch.argsort(local, stable=True)  # by expert, then token (HF's order)
-        local, token, w = local[order], token[order], w[order]
-        counts = torch.bincount(local, minlength=self.num_local)
-        h = grouped_linear(x[token], self.w13, counts)
-        h = grouped_linear(silu_and_mul(h), self.w2, counts)
-        out = torch.zeros_like(x)
-        return out.index_add_(0, token, (h.float() * w[:, None]).to(x.dtype))
+        mine = (local >= 0) & (local < self.num_local)
+        local = torch.where(mine, local, self.num_local)
+        order = torch.argsort(local, stable=True)
+        local = local[order]
+        token = torch.div(order, k, rounding_mode="floor")
+        w = torch.where(mine, weights.flatten(), 0.0)[order]
+        ends = torch.searchsorted(local, torch.arange(1, self.num_local + 1, device=x.device))
+        h = grouped_linear(x[token], self.w13, ends)
+        h = grouped_linear(silu_and_mul(h), self.w2, ends)
+        h = torch.where((local < self.num_local)[:, None], h.float() * w[:, None], 0.0)
+        return torch.zeros_like(x).index_add_(0, token, h.to(x.dtype))
 
 
 class ReplicatedLinear(nn.Module):
@@ -171,18 +174,18 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows of x sorted by group (counts[g] rows for group g) times w[g]^T: [N, in] -> [N, out].
-    One grouped GEMM when the strides allow it, else one matmul per non-empty group."""
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by group, group g in rows [ends[g-1], ends[g]), times w[g]^T:
+    [N, in] -> [N, out]; rows past ends[-1] are left undefined. One grouped GEMM when the
+    strides allow it, else one matmul per non-empty group."""
     if _grouped_mm_ok(x, w):
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends.to(torch.int32))
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
-    for g, n in enumerate(counts.tolist()):
-        if n:
-            out[start:start + n] = F.linear(x[start:start + n], w[g])
-        start += n
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[g])
+        start = end
     return out
 
 
