@@ -192,3 +192,10 @@ def test_torchrun_with_two_dp_ranks_matches_one_rank():
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     text = lambda out: [json.loads(line)["text"] for line in out.splitlines() if line.startswith("{")]  # noqa: E731
     assert text(two.stdout) == text(one.stdout) and len(text(one.stdout)) == 2
+
+
+def test_dp_world_larger_than_the_gpus_fails_at_start(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="data_parallel_size x prefill_context_parallel_size x "
+                                         "tensor_parallel_size\\) needs 4 GPUs; 2 are visible"):
+        LLM("builtin:qwen3-moe-tiny", device="cuda", data_parallel_size=2, tensor_parallel_size=2)
