@@ -72,7 +72,8 @@ def record_steps(llm) -> list:
 def run_one(path: str, args, n: int, **layout) -> dict:
     load_format = "dummy" if not os.path.isfile(os.path.join(path, "model.safetensors")) else "auto"
     llm = LLM(path, device=args.device, dtype=args.dtype, load_format=load_format,
-              max_model_len=args.input_len + args.output_len + 16, max_num_seqs=max(n, 1),
+              max_model_len=args.input_len + args.output_len + 16,
+              max_num_seqs=max(n // layout.get("data_parallel_size", 1), 1),  # per DP rank
               enforce_eager=args.enforce_eager, **layout)
     vocab = llm.config.model.vocab_size
     llm.generate(prompts(vocab, n, args.input_len, 7),  # warm-up at the same batch shapes
