@@ -199,3 +199,12 @@ def test_dp_world_larger_than_the_gpus_fails_at_start(monkeypatch):
     with pytest.raises(ValueError, match="data_parallel_size x prefill_context_parallel_size x "
                                          "tensor_parallel_size\\) needs 4 GPUs; 2 are visible"):
         LLM("builtin:qwen3-moe-tiny", device="cuda", data_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_merge_outputs_of_dp_ranks():
+    from longserve.worker.dp_step import merge_outputs
+    from longserve.worker.model_runner import ModelRunnerOutput
+    a = ModelRunnerOutput({"0": 5}, {"0": {5: -0.1}})
+    b = ModelRunnerOutput({"1": 7, "2": 9}, {})
+    merged = merge_outputs([a, None, b])
+    assert merged.sampled == {"0": 5, "1": 7, "2": 9} and merged.logprobs == {"0": {5: -0.1}}

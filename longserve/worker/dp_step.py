@@ -37,15 +37,19 @@ def execute_dp_step(worker, step: DPStepPlan):
 
 
 def merge_outputs(results: list):
-    """One output from every DP rank's (request ids never repeat across ranks)."""
+    """One output from every DP rank's: dict fields (keyed by request id, never repeated
+    across ranks) are merged, list fields concatenated, others taken from the first."""
     results = [r for r in results if r is not None]
-    merged = type(results[0])(**{f.name: {} for f in fields(results[0])})
-    for r in results:
-        for f in fields(r):
-            value = getattr(r, f.name)
-            if isinstance(value, dict):
-                getattr(merged, f.name).update(value)
-    return merged
+    merged = {}
+    for f in fields(results[0]):
+        values = [getattr(r, f.name) for r in results]
+        if isinstance(values[0], dict):
+            merged[f.name] = {k: v for value in values for k, v in value.items()}
+        elif isinstance(values[0], list):
+            merged[f.name] = [x for value in values for x in value]
+        else:
+            merged[f.name] = values[0]
+    return type(results[0])(**merged)
 
 
 def wants_dbo(parallel, inp: StepInputs) -> bool:
