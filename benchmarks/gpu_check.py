@@ -27,8 +27,7 @@ def run(model, ps, max_tokens, logprobs=None, **kw):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     outs = llm.generate(ps, params, use_tqdm=False)
     dt = time.perf_counter() - t
-    kv = llm.engine.kv
-    whole = kv.num_free_blocks == kv.num_blocks
+    whole = all(kv.num_free_blocks == kv.num_blocks for kv in llm.engine.kv_managers)
     llm.shutdown()
     del llm
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -75,6 +74,7 @@ def single_gpu_checks(name, rows, skip_bf16, dev):
 
 
 SHORT = {"tensor_parallel_size": "tp", "prefill_context_parallel_size": "pcp",
+         "data_parallel_size": "dp", "enable_expert_parallel": "ep", "enable_dbo": "dbo",
          "decode_context_parallel_size": "dcp", "cp_kv_cache_interleave_size": "interleave"}
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -72,6 +73,17 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     # layer index -> index of an earlier layer whose KV cache it reads (cross-layer KV sharing)
     kv_sharing: dict[int, int] = field(default_factory=dict)
+    # mixture of experts (Qwen3-MoE, Mixtral): layers in `moe_layers` route each token to
+    # `num_experts_per_tok` of `num_experts` experts of width `moe_intermediate_size`
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: list[int] = field(default_factory=list)
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -132,7 +144,7 @@ class ModelConfig:
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
         kv_sharing = {int(k): int(v) for k, v in (hf.get("longserve_kv_sharing") or {}).items()}
-        return cls(
+        return cls(**moe_fields(arch, hf), **dict(
             path=path,
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -148,12 +160,30 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             checkpoint_dtype=parse_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             kv_sharing=kv_sharing,
-        )
+        ))
+
+
+def moe_fields(arch: str, hf: dict) -> dict:
+    """The expert-layer fields, as transformers reads them (Qwen3-MoE: sparse every
+    `decoder_sparse_step` layers except `mlp_only_layers`; Mixtral: every layer, top-k
+    always renormalised). transformers 5 writes Qwen3-MoE's expert count as num_local_experts."""
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True,
+                    moe_layers=list(range(hf["num_hidden_layers"])))
+    if arch != "Qwen3MoeForCausalLM" or num_experts == 0:
+        return {}
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    layers = [i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
+    return dict(num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
 
 
 @dataclass
@@ -176,6 +206,12 @@ class ParallelConfig:
     cp_kv_cache_interleave_size: int = 1
     enable_sequence_parallel: bool = False
     distributed_timeout_s: float = 300.0
+    # experts sharded over the DP x TP ranks (else each expert's width is split over them)
+    enable_expert_parallel: bool = False
+    # dual-batch overlap: two micro-batches when a step has at least this many tokens
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32  # decode-only steps
+    dbo_prefill_token_threshold: int = 512  # steps with a prefill
 
     @property
     def world_size(self) -> int:

@@ -38,12 +38,39 @@ def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig,
     if cache.block_size % p.cp_kv_cache_interleave_size:
         raise ValueError(f"cp_kv_cache_interleave_size={p.cp_kv_cache_interleave_size} must divide "
                          f"block_size={cache.block_size}")
-    if p.data_parallel_size > 1:
-        raise ValueError("data_parallel_size > 1 is not supported by the offline LLM yet; "
-                         "run one engine per replica")
+    validate_moe_parallel(p, model)
     if device == "cuda" and p.world_size > torch.cuda.device_count() and not _under_torchrun():
-        raise ValueError(f"the parallel layout needs {p.world_size} GPUs; "
+        raise ValueError(f"the parallel layout (data_parallel_size x prefill_context_parallel_size x "
+                         f"tensor_parallel_size) needs {p.world_size} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
+
+
+def validate_moe_parallel(p: ParallelConfig, model: ModelConfig) -> None:
+    """Expert parallelism, dual-batch overlap and how expert layers split over DP x TP."""
+    moe_ranks = p.data_parallel_size * p.tensor_parallel_size
+    if p.enable_expert_parallel and not model.is_moe:
+        raise ValueError(f"enable_expert_parallel needs a model with expert layers; "
+                         f"{model.architecture} has none")
+    if p.enable_expert_parallel and model.num_experts % moe_ranks:
+        raise ValueError(f"enable_expert_parallel: data_parallel_size x tensor_parallel_size = "
+                         f"{moe_ranks} must divide the {model.num_experts} experts")
+    if model.is_moe and not p.enable_expert_parallel and model.moe_intermediate_size % moe_ranks:
+        raise ValueError(f"data_parallel_size x tensor_parallel_size = {moe_ranks} must divide the "
+                         f"expert width {model.moe_intermediate_size} (or enable_expert_parallel)")
+    if model.is_moe and p.data_parallel_size > 1 and p.prefill_context_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 with prefill_context_parallel_size > 1 is not "
+                         "supported for models with expert layers")
+    if p.enable_dbo:
+        why = ("the model has no expert layers" if not model.is_moe else
+               "prefill_context_parallel_size > 1 splits tokens by position, not by request"
+               if p.prefill_context_parallel_size > 1 else
+               "sequence parallelism pads the step to a multiple of tensor_parallel_size"
+               if p.enable_sequence_parallel else None)
+        if why:
+            raise ValueError(f"enable_dbo (micro-batching) cannot split this layout: {why}")
+    for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+        if not isinstance(getattr(p, name), int) or getattr(p, name) < 2:
+            raise ValueError(f"{name} must be an integer >= 2, got {getattr(p, name)!r}")
 
 
 def _under_torchrun() -> bool:
@@ -62,7 +89,9 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
                         cp_kv_cache_interleave_size: int = 1, enable_sequence_parallel: bool = False,
                         num_gpu_blocks: int | None = None, cpu_kv_cache_gb: float = 0.25,
                         attention_backend: str = "auto", load_format: str = "auto",
-                        distributed_timeout_s: float = 300.0) -> EngineConfig:
+                        distributed_timeout_s: float = 300.0, enable_expert_parallel: bool = False,
+                        enable_dbo: bool = False, dbo_decode_token_threshold: int = 32,
+                        dbo_prefill_token_threshold: int = 512) -> EngineConfig:
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a folder path or 'builtin:<name>', got {type(model).__name__}")
     model = os.fspath(model)
@@ -93,7 +122,8 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
     parallel = ParallelConfig(tensor_parallel_size, prefill_context_parallel_size,
                               decode_context_parallel_size, data_parallel_size,
                               cp_kv_cache_interleave_size, enable_sequence_parallel,
-                              distributed_timeout_s)
+                              distributed_timeout_s, enable_expert_parallel, enable_dbo,
+                              dbo_decode_token_threshold, dbo_prefill_token_threshold)
     validate_parallel(parallel, model_cfg, cache, device)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
                             max_model_len, enable_chunked_prefill)
@@ -154,7 +184,8 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, data_parallel_rank: int | None = None) -> list[RequestOutput]:
+        """data_parallel_rank: run every prompt on that DP rank (default: balanced)."""
         if isinstance(prompts, (str, dict)) or is_token_list(prompts):
             prompts = [prompts]  # one prompt
         prompts = list(prompts)
@@ -162,7 +193,8 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = [self.engine.make_request(p, sp, data_parallel_rank)
+                    for p, sp in zip(prompts, params)]
         for req in requests:  # all validated before any is queued
             self.engine.add_request(req)
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2)

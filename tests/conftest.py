@@ -9,9 +9,9 @@ os.environ.setdefault("LONGSERVE_CACHE", os.path.join(tempfile.gettempdir(), "lo
 
 def assert_pool_whole(llm):
     """Every block is back in the free queue and no request is left anywhere."""
-    kv = llm.engine.kv
-    assert kv.num_free_blocks == kv.num_blocks
-    assert all(c == 0 for c in kv.ref_cnt)
+    for kv in getattr(llm.engine, "kv_managers", [llm.engine.kv]):  # one per DP rank
+        assert kv.num_free_blocks == kv.num_blocks
+        assert all(c == 0 for c in kv.ref_cnt)
     assert not llm.engine.scheduler.has_unfinished()
 
 

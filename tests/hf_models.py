@@ -17,13 +17,22 @@ def hf_config(arch: str):
         return tf.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
     if arch == "qwen3":
         return tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True, rope_theta=1e6)
+    moe = dict(common, num_experts_per_tok=2, num_hidden_layers=3)
+    if arch == "qwen3_moe":  # layer 1 dense; 8 experts of width 20 (4 ranks: 2 each, or 5 wide)
+        return tf.Qwen3MoeConfig(**moe, head_dim=16, moe_intermediate_size=20, num_experts=8,
+                                 norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+                                 tie_word_embeddings=False, rope_theta=1e6)
+    if arch == "mixtral":
+        return tf.MixtralConfig(**dict(moe, intermediate_size=20), num_local_experts=8,
+                                tie_word_embeddings=False, rope_theta=1e6)
     raise ValueError(arch)
 
 
 def make_hf_model(arch: str, path: str, seed: int = 0):
     import transformers as tf
     torch.manual_seed(seed)
-    cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[arch]
+    cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
+           "qwen3_moe": tf.Qwen3MoeForCausalLM, "mixtral": tf.MixtralForCausalLM}[arch]
     model = cls(hf_config(arch)).float().eval()
     with torch.no_grad():  # larger weights than the default init: peaked, stable distributions
         for name, p in model.named_parameters():

@@ -1,6 +1,7 @@
 import time
 
 import numpy as np
+import torch
 import pytest
 
 from dist_utils import run_distributed
@@ -107,3 +108,56 @@ def test_run_distributed_propagates_errors_and_timeouts():
     with pytest.raises(TimeoutError):
         run_distributed(_hang_on_rank_0, 2, timeout=2)
     assert time.monotonic() - start < 10
+
+
+# ---- three DP ranks, hand-worked ------------------------------------------------------
+
+SCENARIOS_3 = {
+    # half = ceil(24 / 2) = 12 >= rank 0's 6 tokens: no micro-batching; pad all to 24
+    "small_rank_blocks_ubatch": [(6, True, True, 8, [3, 3], 2), (20, True, True, 24, [10, 10], 1),
+                                 (13, True, True, 16, [6, 7], 2)],
+    # half = 10 < min unpadded 14: all micro-batch, 2 x 10 tokens each
+    "all_ubatch": [(14, True, False, 16, [7, 7], 2), (20, True, False, 20, [10, 10], 2),
+                   (15, True, True, 16, [5, 10], 2)],
+    # an idle rank's dummy step (1 token, no graphs) refuses micro-batching, lowers the mode
+    "idle_rank": [(1, False, True, 1, [1], 0), (30, True, True, 32, [15, 15], 2),
+                  (4, True, True, 4, [2, 2], 2)],
+    "one_rank_refuses_padding": [(5, False, True, 5, None, 2), (7, False, True, 8, None, 2),
+                                 (9, False, False, 9, None, 2)],
+}
+EXPECTED_3 = {
+    "small_rank_blocks_ubatch": (False, [24, 24, 24], 1),
+    "all_ubatch": (True, [20, 20, 20], 2),
+    "idle_rank": (False, [32, 32, 32], 0),
+    "one_rank_refuses_padding": (False, None, 2),
+}
+
+
+def _coordinate_three(rank, world_size):
+    cfg = ParallelConfig(data_parallel_size=3)
+    state = build_parallel_state(cfg, rank)
+    results = {}
+    for name, per_rank in SCENARIOS_3.items():
+        unpadded, allow_ubatch, allow_pad, padded, per_req, mode = per_rank[rank]
+        ubatch, padding, synced = coordinate_batch_across_dp(
+            unpadded, allow_ubatch, allow_pad, cfg, padded, None,
+            None if per_req is None else np.array(per_req), mode, dp_group=state.dp)
+        results[name] = (ubatch, None if padding is None else padding.tolist(), synced)
+    return results
+
+
+@pytest.mark.timeout(60)
+def test_coordinate_batch_across_three_dp_ranks():
+    for results in run_distributed(_coordinate_three, 3):
+        assert results == EXPECTED_3
+
+
+def test_post_processing_steps_by_name():
+    from longserve.worker.dp_utils import (_post_process_cudagraph_mode, _post_process_dp_padding,
+                                           _post_process_ubatch)
+    # rows: unpadded, padded, wants ubatch, allows padding, graph mode; one column per rank
+    table = torch.tensor([[14, 20], [16, 20], [1, 1], [1, 0], [2, 1]])
+    assert _post_process_ubatch(table)
+    assert _post_process_dp_padding(table, True).tolist() == [20, 20]
+    assert _post_process_dp_padding(table, False) is None  # rank 1 does not allow padding
+    assert _post_process_cudagraph_mode(table) == 1

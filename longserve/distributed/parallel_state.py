@@ -73,6 +73,8 @@ def group_ranks(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
     for p in range(pcp):
         for t in range(tp):
             groups["dp"].append([rank(d, p, t) for d in range(dp)])
+    if dp > 1:  # the driver's step plans for every DP rank travel over all ranks
+        groups["world"] = [list(range(dp * pcp * tp))]
     return groups
 
 
@@ -146,6 +148,14 @@ class GroupCoordinator:
         dist.broadcast_object_list(box, src=self.ranks[0], group=self.cpu_group)
         return box[0]
 
+    def gather_object(self, obj):
+        """Every rank's picklable object, in rank order, on the first rank; None elsewhere."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.is_first_rank else None
+        dist.gather_object(obj, out, dst=self.ranks[0], group=self.cpu_group)
+        return out
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.cpu_group)
@@ -160,6 +170,11 @@ class ParallelState:
     cp: GroupCoordinator
     dp: GroupCoordinator
     model: GroupCoordinator  # every rank of one DP replica; its first rank drives it
+    world: GroupCoordinator | None = None  # every rank (the model group when dp == 1)
+
+    def __post_init__(self):
+        if self.world is None:
+            self.world = self.model
 
 
 def single_rank_state() -> ParallelState:

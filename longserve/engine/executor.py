@@ -16,7 +16,7 @@ import time
 import torch.multiprocessing as mp
 
 from longserve.config import EngineConfig
-from longserve.step_plan import SchedulerOutput
+from longserve.step_plan import DPStepPlan, SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
 from longserve.worker.worker import SHUTDOWN, Worker, worker_main
 
@@ -95,11 +95,11 @@ class Executor:
             if p.is_alive():
                 p.kill()
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute(self, out: SchedulerOutput | DPStepPlan) -> ModelRunnerOutput | None:
         if self.failure:
             raise RuntimeError(self.failure)
         try:
-            self.driver.ps.model.broadcast_object(out)
+            self.driver.ps.world.broadcast_object(out)  # the model group when dp == 1
             return self.driver.execute(out)
         except Exception as e:
             # a peer's closed connection usually means it died: give the watchdog a moment
@@ -116,7 +116,7 @@ class Executor:
         self._closing = True
         if self.config.parallel.world_size > 1 and not self.failure:  # spawned or torchrun
             try:
-                self.driver.ps.model.broadcast_object(SHUTDOWN)
+                self.driver.ps.world.broadcast_object(SHUTDOWN)
             except Exception:
                 pass
         for p in self.procs:

@@ -7,10 +7,9 @@ import time
 
 from longserve.config import EngineConfig
 from longserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from longserve.engine.dp_scheduler import check_dp_rank, make_scheduler
 from longserve.engine.executor import Executor
-from longserve.engine.kv_cache_manager import KVCacheManager
 from longserve.engine.request import CompletionOutput, Request, RequestOutput
-from longserve.engine.scheduler import Scheduler
 from longserve.inputs import parse_prompt
 from longserve.sampling_params import SamplingParams
 
@@ -31,10 +30,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model.path)
         self.executor = Executor(config)
-        tokens_per_block = config.cache.block_size * config.parallel.cp_world_size
-        self.kv = KVCacheManager(self.executor.num_blocks, tokens_per_block,
-                                 config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        # with data parallelism: one KV cache manager per DP rank, a DPScheduler over them
+        self.scheduler, self.kv_managers = make_scheduler(config, self.executor.num_blocks)
+        self.kv = self.kv_managers[0]
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------
@@ -47,8 +45,11 @@ class LLMEngine:
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def make_request(self, prompt, params: SamplingParams) -> Request:
-        """Validate one prompt (see longserve/inputs.py) and its parameters into a request."""
+    def make_request(self, prompt, params: SamplingParams,
+                     data_parallel_rank: int | None = None) -> Request:
+        """Validate one prompt (see longserve/inputs.py) and its parameters into a request;
+        data_parallel_rank pins it to one DP rank."""
+        check_dp_rank(data_parallel_rank, self.config.parallel.data_parallel_size)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = params.canonical()  # plain and validated: it always pickles to the workers
@@ -56,7 +57,7 @@ class LLMEngine:
         self.check_prompt(ids)
         self.check_params(params, len(ids))
         return Request(str(next(self._ids)), ids, params, eos_token_ids=self.config.model.eos_token_ids,
-                       prompt=text, arrival=time.perf_counter())
+                       prompt=text, arrival=time.perf_counter(), data_parallel_rank=data_parallel_rank)
 
     def check_prompt(self, ids: list[int]) -> None:
         max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size

@@ -36,6 +36,7 @@ class Request:
     first_token_time: float | None = None
     output_text: str = ""
     detokenizer: object | None = None  # IncrementalDetokenizer, for stop strings
+    data_parallel_rank: int | None = None  # pinned DP rank (None: the balancer chooses)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -31,6 +31,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
     p.add_argument("--enable-sequence-parallel", action="store_true")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard the experts of MoE layers over the DP x TP ranks")
+    p.add_argument("--enable-dbo", action="store_true",
+                   help="dual-batch overlap: split large MoE steps into two micro-batches")
+    p.add_argument("--dbo-decode-token-threshold", type=int, default=32)
+    p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
 
 
 ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "max_num_seqs",
@@ -38,7 +44,8 @@ ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "max_num_seqs",
                "enable_prefix_caching", "enforce_eager", "seed", "load_format",
                "tensor_parallel_size", "prefill_context_parallel_size",
                "decode_context_parallel_size", "data_parallel_size", "cp_kv_cache_interleave_size",
-               "enable_sequence_parallel")
+               "enable_sequence_parallel", "enable_expert_parallel", "enable_dbo",
+               "dbo_decode_token_threshold", "dbo_prefill_token_threshold")
 
 
 def make_llm(args):

@@ -45,6 +45,18 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
         longserve_kv_sharing={"2": 0, "3": 1}),
+    # mixture of experts: 8 experts, top-2; Qwen3-MoE's layer 1 is a dense MLP
+    "qwen3-moe-tiny": dict(
+        TINY_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+        rope_theta=1000000.0, tie_word_embeddings=False),
+    "mixtral-tiny": dict(
+        TINY_COMMON, architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=64,
+        intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
+        tie_word_embeddings=False),
     "qwen3-0.6b-shape": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -57,6 +69,14 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
         max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=128000,
         eos_token_id=128001, torch_dtype="bfloat16"),
+    "qwen3-30b-a3b-shape": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151645, torch_dtype="bfloat16"),
 }
 
 CORPUS = """LongServe serves long prompts on many GPUs. The quick brown fox jumps over the lazy dog.

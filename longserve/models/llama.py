@@ -1,10 +1,13 @@
-"""Llama / Qwen2 / Qwen3 decoder with tensor parallelism.
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder with tensor parallelism.
 
-The three differ only in details: Qwen2 has a bias on q, k, v; Qwen3 normalises each
-head of q and k (RMSNorm over head_dim) before RoPE. Token tensors are flat [T, ...]:
+They differ only in details: Qwen2 has a bias on q, k, v; Qwen3 (and Qwen3-MoE) normalises
+each head of q and k (RMSNorm over head_dim) before RoPE; in Qwen3-MoE and Mixtral the
+layers listed in `cfg.moe_layers` have a mixture of experts (models/moe.py) as their MLP. Token tensors are flat [T, ...]:
 the batch is the concatenation of every scheduled request's tokens.
 """
 from __future__ import annotations
+
+import re
 
 from torch import nn
 
@@ -12,6 +15,7 @@ from longserve.attention.backends import Attention
 from longserve.config import ModelConfig
 from longserve.distributed.parallel_state import ParallelState
 from longserve.models.fused_ops import silu_and_mul
+from longserve.models.moe import FusedMoE
 from longserve.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                      QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                      RowParallelLinear, VocabParallelEmbedding)
@@ -49,23 +53,30 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, [cfg.intermediate_size] * 2, False, ps.tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ps.tp)
 
-    def forward(self, x, reduce="all"):
+    def forward(self, x, reduce="all", dp_pad=None):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer_idx: int,
+                 expert_parallel: bool = False):
         super().__init__()
         self.tp = ps.tp
         self.self_attn = LlamaAttention(cfg, ps, layer_idx)
-        self.mlp = LlamaMLP(cfg, ps)
+        self.mlp = (FusedMoE(cfg, ps, expert_parallel) if layer_idx in cfg.moe_layers
+                    else LlamaMLP(cfg, ps))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, cos_sin, hidden, residual, meta, sp: bool):
+    def forward(self, cos_sin, hidden, residual, meta, sp: bool, dp_pad: int | None = None):
         """With sequence parallelism (`sp`), hidden and residual hold this TP rank's slice of
         the tokens between layers: gather before the column-parallel matmuls, reduce-scatter
-        after the row-parallel ones."""
+        after the row-parallel ones. dp_pad: tokens per DP rank in expert layers."""
+        hidden, residual = self.attention_block(cos_sin, hidden, residual, meta, sp)
+        return self.mlp(hidden, "scatter" if sp else "all", dp_pad), residual
+
+    def attention_block(self, cos_sin, hidden, residual, meta, sp: bool):
+        """Everything before the MLP: its input (gathered over TP with sp) and the residual."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -77,29 +88,30 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if sp:
             hidden = self.tp.all_gather(hidden, 0)
-        return self.mlp(hidden, reduce), residual
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, expert_parallel: bool = False):
         super().__init__()
         self.cfg, self.ps = cfg, ps
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ps.tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ps, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ps, i, expert_parallel)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ps.tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta, sp: bool = False):
+    def forward(self, input_ids, positions, meta, sp: bool = False, dp_pad: int | None = None):
         """input_ids, positions [T] -> final hidden states [T, hidden] (this TP rank's T/tp
-        rows when `sp`; the caller pads T to a multiple of tp)."""
+        rows when `sp`; the caller pads T to a multiple of tp). dp_pad: see FusedMoE."""
         hidden, residual = self.embed_tokens(input_ids), None
         if sp:
             hidden = hidden.chunk(self.ps.tp.world_size)[self.ps.tp.rank_in_group].contiguous()
         cos_sin = self.layers[0].self_attn.rotary.cos_sin(positions)
         for layer in self.layers:
-            hidden, residual = layer(cos_sin, hidden, residual, meta, sp)
+            hidden, residual = layer(cos_sin, hidden, residual, meta, sp, dp_pad)
         hidden, _ = self.norm(hidden, residual)
         return self.ps.tp.all_gather(hidden, 0) if sp else hidden
 
@@ -122,10 +134,25 @@ STACKED_PARAMS = [
 ]
 
 
+# expert tensors: per expert (Qwen3-MoE: gate/up/down_proj; Mixtral: w1/w3/w2) or fused
+# 3-D (transformers 5's in-memory names); shard = (kind, expert or None for all experts)
+EXPERT_TENSOR = re.compile(r"\.mlp\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w2|w3|"
+                           r"gate_up_proj)(?:\.weight)?$")
+EXPERT_KINDS = {"gate_proj": ("w13", "gate"), "w1": ("w13", "gate"), "up_proj": ("w13", "up"),
+                "w3": ("w13", "up"), "gate_up_proj": ("w13", "gate_up"),
+                "down_proj": ("w2", "down"), "w2": ("w2", "down")}
+
+
 def checkpoint_to_param_name(name: str) -> tuple[str, object]:
     """Map a HF tensor name onto this module's parameter name and shard id."""
     name = name.removeprefix("model.")
     name = name.replace(".self_attn.attn.", ".self_attn.")
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral
+    expert = EXPERT_TENSOR.search(name)
+    if expert is not None:
+        param, kind = EXPERT_KINDS[expert.group(2)]
+        index = None if expert.group(1) is None else int(expert.group(1))
+        return name[:expert.start()] + f".mlp.{param}", (kind, index)
     for hf, ours, shard in STACKED_PARAMS:
         if hf in name:
             return name.replace(hf, ours), shard

@@ -20,12 +20,13 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def build_model(cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, device: str,
-                load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+                load_format: str = "auto", seed: int = 0,
+                expert_parallel: bool = False) -> LlamaForCausalLM:
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, ps)
+            model = LlamaForCausalLM(cfg, ps, expert_parallel)
     finally:
         torch.set_default_dtype(old_dtype)
     if load_format == "dummy":
@@ -56,7 +57,7 @@ def safetensors_files(path: str) -> list[str]:
 
 def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
     params = dict(model.named_parameters())
-    shapes = checkpoint_shapes(cfg)
+    shapes = checkpoint_shapes(cfg) | fused_expert_shapes(cfg)
     loaded: set[tuple] = set()
     for file in safetensors_files(cfg.path):
         try:
@@ -66,7 +67,7 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
         except Exception as e:  # a truncated or corrupt file (SafetensorError, OSError, ...)
             raise ValueError(f"cannot read weights from {file}: {e}") from None
     missing = [f"{n} ({shard})" if shard is not None else n
-               for n in params for shard in expected_shards(n) if (n, shard) not in loaded
+               for n in params for shard in expected_shards(n, cfg) if (n, shard) not in loaded
                and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
         raise ValueError(f"weights missing from {cfg.path!r}: {missing[:8]}"
@@ -96,14 +97,43 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.q_proj.weight": (nh * d, h),
                        p + "self_attn.k_proj.weight": (nkv * d, h),
                        p + "self_attn.v_proj.weight": (nkv * d, h),
-                       p + "self_attn.o_proj.weight": (h, nh * d),
-                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter)})
+                       p + "self_attn.o_proj.weight": (h, nh * d)})
+        if i in cfg.moe_layers:
+            shapes.update(expert_shapes(cfg, p))
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h),
+                           p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
         if cfg.attention_bias:
             shapes.update({p + f"self_attn.{x}_proj.bias": (n * d,)
                            for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return shapes
+
+
+def expert_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """One expert layer as transformers' save_pretrained writes it: one tensor per expert."""
+    h, w = cfg.hidden_size, cfg.moe_intermediate_size
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    block = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = {block + "gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        shapes.update({f"{block}experts.{e}.{names[0]}.weight": (w, h),
+                       f"{block}experts.{e}.{names[1]}.weight": (w, h),
+                       f"{block}experts.{e}.{names[2]}.weight": (h, w)})
+    return shapes
+
+
+def fused_expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The 3-D expert tensors of transformers 5's modules (also accepted by the loader)."""
+    e, h, w = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    shapes = {}
+    for i in cfg.moe_layers:
+        p = f"model.layers.{i}.mlp."
+        shapes.update({p + "gate.weight": (e, h), p + "experts.gate_up_proj": (e, 2 * w, h),
+                       p + "experts.down_proj": (e, h, w)})
     return shapes
 
 
@@ -120,11 +150,15 @@ def load_one(params: dict, name: str, tensor: torch.Tensor, file: str, loaded: s
         param.weight_loader(param, tensor.to(param.dtype), shard)
     except ValueError as e:
         raise ValueError(f"tensor {name!r} in {file}: {e}") from None
-    loaded.add((param_name, shard))
+    expand = getattr(param, "expand_shard", None)
+    loaded.update((param_name, s) for s in (expand(shard) if expand else [shard]))
 
 
-def expected_shards(param_name: str) -> list:
+def expected_shards(param_name: str, cfg: ModelConfig | None = None) -> list:
     """The checkpoint pieces a (possibly fused) parameter is made of."""
+    if param_name.endswith((".mlp.w13", ".mlp.w2")):  # one or two per expert
+        kinds = ("gate", "up") if param_name.endswith("w13") else ("down",)
+        return [(k, e) for e in range(cfg.num_experts) for k in kinds]
     shards = [shard for _, ours, shard in STACKED_PARAMS if ours in param_name]
     return shards or [None]
 

@@ -29,7 +29,7 @@ def can_split_into_ubatches(num_tokens: int,
     return int(np.count_nonzero(num_scheduled_tokens_per_request)) >= 2
 
 
-def _exchange(column: list[int], dp_size: int, dp_rank: int, dp_group) -> torch.Tensor:
+def _run_ar(column: list[int], dp_size: int, dp_rank: int, dp_group) -> torch.Tensor:
     """[5, dp_size] int64 with every rank's column; one all-reduce (sum of one-hot columns)."""
     table = torch.zeros(len(column), dp_size, dtype=torch.int64)
     table[:, dp_rank] = torch.tensor(column, dtype=torch.int64)
@@ -38,22 +38,47 @@ def _exchange(column: list[int], dp_size: int, dp_rank: int, dp_group) -> torch.
     return table
 
 
+def _post_process_ubatch(table: torch.Tensor) -> bool:
+    """Micro-batch only if every rank wants to and every rank's second micro-batch keeps a
+    real token once all are padded to the common size (rank i's second micro-batch holds
+    its tokens [half, 2 * half))."""
+    half = (int(table[PADDED].max()) + 1) // 2
+    return bool(table[WANTS_UBATCH].all()) and int(table[UNPADDED].min()) > half
+
+
+def _post_process_dp_padding(table: torch.Tensor, should_ubatch: bool) -> torch.Tensor | None:
+    """Tokens each rank runs (both micro-batches): 2 * ceil(max padded / 2) when
+    micro-batching, max padded when every rank allows DP padding, else None."""
+    max_padded, dp_size = int(table[PADDED].max()), table.shape[1]
+    if should_ubatch:
+        return torch.full((dp_size,), 2 * ((max_padded + 1) // 2), dtype=torch.int32)
+    if bool(table[ALLOWS_DP_PADDING].all()):
+        return torch.full((dp_size,), max_padded, dtype=torch.int32)
+    return None
+
+
+def _post_process_cudagraph_mode(table: torch.Tensor) -> int:
+    """The minimum mode over ranks: one rank without graphs (0) means none for all."""
+    return int(table[CUDAGRAPH_MODE].min())
+
+
 def _decide(table: torch.Tensor) -> tuple[bool, torch.Tensor | None, int]:
     """The same decision on every rank, from everyone's column."""
-    unpadded, padded = table[UNPADDED], table[PADDED]
-    max_padded = int(padded.max())
-    half = (max_padded + 1) // 2  # tokens per micro-batch once padded to the max
-    # rank i's second micro-batch holds its tokens [half, 2 * half): real ones only if
-    # it has more than `half`
-    should_ubatch = bool(table[WANTS_UBATCH].all()) and int(unpadded.min()) > half
-    dp_size = table.shape[1]
-    if should_ubatch:
-        num_tokens_after_padding = torch.full((dp_size,), 2 * half, dtype=torch.int32)
-    elif bool(table[ALLOWS_DP_PADDING].all()):
-        num_tokens_after_padding = torch.full((dp_size,), max_padded, dtype=torch.int32)
-    else:
-        num_tokens_after_padding = None
-    return should_ubatch, num_tokens_after_padding, int(table[CUDAGRAPH_MODE].min())
+    should_ubatch = _post_process_ubatch(table)
+    return (should_ubatch, _post_process_dp_padding(table, should_ubatch),
+            _post_process_cudagraph_mode(table))
+
+
+def _synchronize_dp_ranks(num_tokens_unpadded: int, num_tokens_padded: int,
+                          should_attempt_ubatching: bool, should_attempt_dp_padding: bool,
+                          cudagraph_mode: int, parallel_config: ParallelConfig,
+                          dp_group=None) -> tuple[bool, torch.Tensor | None, int]:
+    """One exchange of every rank's wishes, then the shared decision (see below)."""
+    dp_size = parallel_config.data_parallel_size
+    dp_rank = dp_group.rank_in_group if dp_size > 1 else 0
+    column = [num_tokens_unpadded, num_tokens_padded, int(should_attempt_ubatching),
+              int(should_attempt_dp_padding), int(cudagraph_mode)]
+    return _decide(_run_ar(column, dp_size, dp_rank, dp_group))
 
 
 def coordinate_batch_across_dp(num_tokens_unpadded: int, allow_microbatching: bool,
@@ -86,9 +111,7 @@ def coordinate_batch_across_dp(num_tokens_unpadded: int, allow_microbatching: bo
     dp_size = parallel_config.data_parallel_size
     if dp_size > 1 and (dp_group is None or dp_group.world_size != dp_size):
         raise ValueError(f"data_parallel_size={dp_size} needs the DP group of that size")
-    dp_rank = dp_group.rank_in_group if dp_size > 1 else 0
     wants_ubatch = allow_microbatching and can_split_into_ubatches(
         num_tokens_unpadded, num_scheduled_tokens_per_request)
-    column = [num_tokens_unpadded, num_tokens_padded, int(wants_ubatch), int(allow_dp_padding),
-              int(cudagraph_mode)]
-    return _decide(_exchange(column, dp_size, dp_rank, dp_group))
+    return _synchronize_dp_ranks(num_tokens_unpadded, num_tokens_padded, wants_ubatch,
+                                 allow_dp_padding, cudagraph_mode, parallel_config, dp_group)

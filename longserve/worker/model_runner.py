@@ -14,6 +14,7 @@ from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.models.loader import build_model
 from longserve.sampling_params import SamplingParams
 from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibility
+from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
                                             KVCacheGroupSpec)
 from longserve.worker.sampler import Sampler
@@ -51,7 +52,7 @@ class ModelRunner:
         self.backend = choose_backend(config, device)
         check_attention_cp_compatibility(config.parallel, [type(self.backend)])
         self.model = build_model(config.model, ps, config.dtype, str(device), config.load_format,
-                                 config.seed)
+                                 config.seed, config.parallel.enable_expert_parallel)
         self.layers = {a.layer_name: a for a in self.model.attention_layers()}
         self.block_size = config.cache.block_size
         par = config.parallel
@@ -71,6 +72,10 @@ class ModelRunner:
         self.zeroer = KVBlockZeroer(device)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: dict[int, tuple] = {}
+        # expert layers shared by DP ranks (or split into micro-batches): every step's shape
+        # is agreed on with the other DP ranks (worker/dp_step.py)
+        self.coordinated = config.model.is_moe and (par.data_parallel_size > 1 or par.enable_dbo)
+        self.num_dbo_steps = 0  # steps run as two micro-batches
 
     # ---- KV cache -----------------------------------------------------------------------
     def _kv_cache_groups(self) -> tuple[KVCacheConfig, list[list[AttentionGroup]], set[str]]:
@@ -130,7 +135,9 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     @torch.no_grad()
-    def execute(self, out: SchedulerOutput, profile: bool = False) -> ModelRunnerOutput | None:
+    def execute(self, out: SchedulerOutput, profile: bool = False,
+                dp_lockstep: bool = False) -> ModelRunnerOutput | None:
+        """dp_lockstep: another DP rank runs a step that this rank must join (expert layers)."""
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         if out.new_block_ids and not profile:
@@ -141,13 +148,18 @@ class ModelRunner:
             else:
                 self.requests[r.req_id].block_ids.extend(r.block_ids)
         if not out.requests:
+            if dp_lockstep:
+                run_dummy_step(self)
             return ModelRunnerOutput({}, {})
         block_ids = [self.requests[r.req_id].block_ids for r in out.requests]
         if profile:  # every token's slot in block 0: the table only needs to be wide enough
             block_ids = [[0] * (len(out.requests[0].token_ids) // self.block_size + 1)]
         inp = prepare_step(out.requests, block_ids, self.layout, self.ps, self.pcp, self.device,
                            self.backend)
-        hidden = self.run_model(inp)
+        if self.coordinated:
+            hidden = run_coordinated(self, out.requests, block_ids, inp)
+        else:
+            hidden = self.run_model(inp)
         if self.pcp is not None:
             hidden = self.pcp.restore_hidden_states(hidden, inp.num_local_tokens)
         return self.sample(out.requests, hidden, inp)
@@ -175,6 +187,8 @@ class ModelRunner:
     # ---- CUDA graphs for decode -----------------------------------------------------------
     def capture_cudagraphs(self) -> None:
         """Capture the model's decode forward at bucketed batch sizes (largest first, one pool)."""
+        if self.config.model.is_moe:
+            return  # expert layers sort tokens by expert with data-dependent sizes: eager
         max_bs = self.config.scheduler.max_num_seqs
         sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs}
                        | {max_bs})

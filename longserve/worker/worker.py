@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import build_parallel_state
-from longserve.step_plan import SchedulerOutput
+from longserve.step_plan import DPStepPlan, SchedulerOutput
+from longserve.worker.dp_step import execute_dp_step
 from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from longserve.worker.utils import MemorySnapshot, request_memory
 
@@ -103,7 +104,9 @@ class Worker:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_cudagraphs()
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute(self, out: SchedulerOutput | DPStepPlan) -> ModelRunnerOutput | None:
+        if isinstance(out, DPStepPlan):  # data parallel: every DP rank's plan
+            return execute_dp_step(self, out)
         return self.runner.execute(out)
 
     def close(self) -> None:
@@ -132,7 +135,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
 
 def run_worker_loop(worker: Worker) -> None:
     while True:
-        out = worker.ps.model.broadcast_object(None)
+        out = worker.ps.world.broadcast_object(None)
         if out == SHUTDOWN:
             return
         worker.execute(out)

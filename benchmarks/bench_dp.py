@@ -1,0 +1,173 @@
+"""Data parallelism, expert parallelism and dual-batch overlap: offline throughput on 2 GPUs.
+
+  dense: a dense model (default qwen3-0.6b-shape, dummy weights) at dp=1 on one GPU with N
+         prompts, then dp=2 on two GPUs with 2N prompts: the ratio of output tokens/s is the
+         DP scaling (target >= 1.9 of 2 x dp=1).
+  moe:   the MoE shape (default qwen3-30b-a3b-shape; --num-layers cuts layers so it loads
+         fast) at several batch sizes, decode throughput (decode-only steps: tokens / time in
+         the step) for each layout: tp=2; dp=2 + expert parallelism; the same with
+         dual-batch overlap. The crossovers (smallest batch where dp2+EP beats tp2, where DBO
+         beats no DBO) are printed.
+
+Prints a markdown table and one JSON line per measurement. On a CPU (tiny models) it only
+checks that everything runs:
+  python benchmarks/bench_dp.py --mode moe --model builtin:qwen3-moe-tiny --device cpu \
+      --batches 4 8 --input-len 16 --output-len 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from longserve import LLM, SamplingParams
+from longserve.models.builtin import resolve_model
+
+
+def prompts(vocab: int, n: int, length: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(100, vocab - 100, length).tolist()} for _ in range(n)]
+
+
+def model_folder(model: str, num_layers: int | None) -> str:
+    """The model's folder; with num_layers, a config-only copy with that many layers."""
+    path = resolve_model(model)
+    if not num_layers:
+        return path
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = num_layers
+    cfg["mlp_only_layers"] = [i for i in cfg.get("mlp_only_layers", []) if i < num_layers]
+    out = os.path.join(tempfile.gettempdir(), f"longserve-bench-{os.path.basename(path)}-{num_layers}l")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out
+
+
+def is_decode_only(plan) -> bool:
+    plans = getattr(plan, "plans", [plan])
+    return all(r.num_computed_tokens > 0 and len(r.token_ids) == 1
+               for p in plans for r in p.requests)
+
+
+def record_steps(llm) -> list:
+    """Wrap the executor: (decode-only?, tokens, seconds) per step."""
+    ex, log = llm.engine.executor, []
+    inner = ex.execute
+
+    def timed(plan):
+        t = time.perf_counter()
+        res = inner(plan)
+        log.append((is_decode_only(plan), plan.num_tokens, time.perf_counter() - t))
+        return res
+    ex.execute = timed
+    return log
+
+
+def run_one(path: str, args, n: int, **layout) -> dict:
+    load_format = "dummy" if not os.path.isfile(os.path.join(path, "model.safetensors")) else "auto"
+    llm = LLM(path, device=args.device, dtype=args.dtype, load_format=load_format,
+              max_model_len=args.input_len + args.output_len + 16,
+              max_num_seqs=max(n // layout.get("data_parallel_size", 1), 1),  # per DP rank
+              enforce_eager=args.enforce_eager, **layout)
+    vocab = llm.config.model.vocab_size
+    llm.generate(prompts(vocab, n, args.input_len, 7),  # warm-up at the same batch shapes
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    log = record_steps(llm)
+    t = time.perf_counter()
+    outs = llm.generate(prompts(vocab, n, args.input_len, 0),
+                        SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True),
+                        use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    llm.shutdown()
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    dec = [(tok, dt) for decode, tok, dt in log if decode]
+    dec_tok, dec_s = sum(x[0] for x in dec), sum(x[1] for x in dec)
+    return dict(layout=layout_name(layout), batch=n, elapsed_s=round(elapsed, 3),
+                output_tok_s=round(n_out / elapsed, 1),
+                decode_tok_s=round(dec_tok / dec_s, 1) if dec_s else None,
+                decode_step_ms=round(1e3 * float(np.median([x[1] for x in dec])), 2) if dec else None)
+
+
+def layout_name(layout: dict) -> str:
+    parts = [f"tp={layout.get('tensor_parallel_size', 1)}", f"dp={layout.get('data_parallel_size', 1)}"]
+    if layout.get("enable_expert_parallel"):
+        parts.append("EP")
+    if layout.get("enable_dbo"):
+        parts.append("DBO")
+    return " ".join(parts)
+
+
+def bench_dense(args) -> list[dict]:
+    path = model_folder(args.model or "builtin:qwen3-0.6b-shape", args.num_layers)
+    n = args.batches[0]
+    one = run_one(path, args, n)
+    two = run_one(path, args, 2 * n, data_parallel_size=2)
+    two["speedup_vs_dp1"] = round(two["output_tok_s"] / one["output_tok_s"], 3)
+    return [one, two]
+
+
+def bench_moe(args) -> list[dict]:
+    path = model_folder(args.model or "builtin:qwen3-30b-a3b-shape", args.num_layers)
+    dbo = dict(enable_dbo=True, dbo_decode_token_threshold=args.dbo_decode_threshold)
+    layouts = [dict(tensor_parallel_size=2),
+               dict(data_parallel_size=2, enable_expert_parallel=True),
+               dict(data_parallel_size=2, enable_expert_parallel=True, **dbo)]
+    if args.with_tp_dbo:
+        layouts.append(dict(tensor_parallel_size=2, **dbo))
+    rows = []
+    for n in args.batches:
+        for layout in layouts:
+            rows.append(run_one(path, args, n, **layout))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def crossover(rows: list[dict], a: str, b: str) -> int | None:
+    """Smallest batch where layout b's decode throughput beats layout a's."""
+    by = {(r["layout"], r["batch"]): r["decode_tok_s"] or 0 for r in rows}
+    wins = sorted(n for (name, n) in by if name == b and by[(b, n)] > by.get((a, n), float("inf")))
+    return wins[0] if wins else None
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = [k for k in rows[0] if any(k in r for r in rows)]
+    keys += [k for r in rows for k in r if k not in keys]
+    print("| " + " | ".join(keys) + " |")
+    print("|" + " --- |" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["dense", "moe"], required=True)
+    p.add_argument("--model", default=None, help="builtin:<name> or a folder (dummy weights "
+                   "when it has none)")
+    p.add_argument("--num-layers", type=int, default=None, help="cut the model to this many layers")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--batches", type=int, nargs="+", default=[256],
+                   help="dense: prompts per DP rank; moe: batch sizes to sweep")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--dbo-decode-threshold", type=int, default=32)
+    p.add_argument("--with-tp-dbo", action="store_true", help="also tp=2 with DBO")
+    args = p.parse_args()
+    rows = bench_dense(args) if args.mode == "dense" else bench_moe(args)
+    print_table(rows)
+    summary = dict(mode=args.mode, rows=rows)
+    if args.mode == "moe":
+        summary["crossover_dp2_ep_beats_tp2"] = crossover(rows, "tp=2 dp=1", "tp=1 dp=2 EP")
+        summary["crossover_dbo_beats_no_dbo"] = crossover(rows, "tp=1 dp=2 EP", "tp=1 dp=2 EP DBO")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Dual-batch overlap (DBO): two micro-batches of one step, their forwards interleaved.
+
+Each micro-batch's forward is a generator (`forward_stages`) that yields whenever an expert
+layer has started a collective (dispatch or combine, async_op=True). Running the two in
+turn means that while micro-batch A's tokens travel, micro-batch B computes (its attention,
+or its experts), and the other way round:
+
+    A: attn | dispatch ~~~~~~~~~~~~~~~ | experts | combine ~~~~~~~~~~~~ | attn ...
+    B:         attn | dispatch ~~~~~~~~~~~~~~~~~~ | experts | combine ~~~~ ...
+
+On GPU the collectives run on the communicator's stream, the compute on the current one;
+waiting on a collective's work handle orders the two streams by events. On CPU (gloo) the
+same code gives the same tokens as one batch: every token's arithmetic is unchanged.
+The micro-batches' KV writes go to disjoint slots, so their order does not matter.
+"""
+from __future__ import annotations
+
+import torch
+
+from longserve.models.moe import FusedMoE
+
+
+def forward_stages(model, input_ids, positions, meta, dp_pad: int | None):
+    """The model's forward (no sequence parallelism) as a stage generator; returns the final
+    hidden states [T, hidden]."""
+    hidden, residual = model.embed_tokens(input_ids), None
+    cos_sin = model.layers[0].self_attn.rotary.cos_sin(positions)
+    for layer in model.layers:
+        hidden, residual = layer.attention_block(cos_sin, hidden, residual, meta, False)
+        if isinstance(layer.mlp, FusedMoE):
+            hidden = yield from layer.mlp.stages(hidden, "all", dp_pad)
+        else:
+            hidden = layer.mlp(hidden)
+    hidden, _ = model.norm(hidden, residual)
+    return hidden
+
+
+def run_dual_batch(model, ubatches: list[tuple], dp_pad: int | None) -> torch.Tensor:
+    """ubatches: two (input_ids, positions, meta); both padded to dp_pad tokens in expert
+    layers. Returns the hidden states of both, concatenated in order."""
+    running = [forward_stages(model, *ub, dp_pad) for ub in ubatches]
+    outputs: list[torch.Tensor | None] = [None] * len(running)
+    while any(out is None for out in outputs):
+        for i, stages in enumerate(running):
+            if outputs[i] is not None:
+                continue
+            try:
+                next(stages)
+            except StopIteration as done:
+                outputs[i] = done.value
+    return torch.cat(outputs)

@@ -1,0 +1,102 @@
+"""A data-parallel rank's share of a step, and the steps of models with expert layers.
+
+- `execute_dp_step`: every rank receives the plans of all DP ranks (`DPStepPlan`), runs its
+  own DP rank's plan, and the DP ranks' first ranks send their sampled tokens to the driver
+  (one gather over the gloo group of those first ranks).
+- Models with expert layers and DP > 1 (or dual-batch overlap) run `run_coordinated`: the
+  DP ranks agree on the step's shape with `coordinate_batch_across_dp` (padding to one
+  token count, micro-batching only if all can), because every rank joins every expert
+  collective. A DP rank with no requests in a lockstep step runs `run_dummy_step`: a
+  one-token forward that writes no KV and samples nothing.
+- Dual-batch overlap (DBO): the step's requests split at the request boundary that best
+  balances the two micro-batches; models/dbo.py interleaves their forwards.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import numpy as np
+import torch
+
+from longserve.models.dbo import run_dual_batch
+from longserve.step_plan import DPStepPlan, ScheduledRequest
+from longserve.worker.dp_utils import coordinate_batch_across_dp
+from longserve.worker.step_inputs import StepInputs, prepare_step
+from longserve.worker.utils import is_residual_scattered_for_sp
+
+
+def execute_dp_step(worker, step: DPStepPlan):
+    """Run this rank's plan; on the driver, the merged results of every DP rank."""
+    ps = worker.ps
+    mine = step.plans[ps.layout.dp_rank]
+    result = worker.runner.execute(mine, dp_lockstep=step.lockstep and not step.is_empty)
+    if ps.tp.rank_in_group != 0 or ps.pcp.rank_in_group != 0:
+        return None  # only each DP rank's first rank holds sampled tokens
+    results = ps.dp.gather_object(result)
+    return None if results is None else merge_outputs(results)
+
+
+def merge_outputs(results: list):
+    """One output from every DP rank's: dict fields (keyed by request id, never repeated
+    across ranks) are merged, list fields concatenated, others taken from the first."""
+    results = [r for r in results if r is not None]
+    merged = {}
+    for f in fields(results[0]):
+        values = [getattr(r, f.name) for r in results]
+        if isinstance(values[0], dict):
+            merged[f.name] = {k: v for value in values for k, v in value.items()}
+        elif isinstance(values[0], list):
+            merged[f.name] = [x for value in values for x in value]
+        else:
+            merged[f.name] = values[0]
+    return type(results[0])(**merged)
+
+
+def wants_dbo(parallel, inp: StepInputs) -> bool:
+    """vLLM's thresholds: decode-only steps of >= 32 tokens, steps with a prefill of >= 512."""
+    if not parallel.enable_dbo:
+        return False
+    threshold = (parallel.dbo_decode_token_threshold if inp.is_pure_decode
+                 else parallel.dbo_prefill_token_threshold)
+    return inp.num_local_tokens >= threshold
+
+
+def balanced_split(tokens_per_request: np.ndarray) -> int:
+    """k in [1, R): requests [:k] and [k:] as two micro-batches, the larger as small as can be."""
+    before = np.cumsum(tokens_per_request)[:-1]
+    return int(np.argmin(np.maximum(before, before[-1] + tokens_per_request[-1] - before))) + 1
+
+
+def run_coordinated(runner, reqs: list[ScheduledRequest], block_ids: list[list[int]],
+                    inp: StepInputs) -> torch.Tensor:
+    """The forward of a step whose shape the DP ranks agree on; hidden states [T, hidden]."""
+    par, ps = runner.config.parallel, runner.ps
+    n = inp.num_local_tokens
+    per_req = np.array([len(r.token_ids) for r in reqs])
+    allow_ubatch = wants_dbo(par, inp) and len(reqs) >= 2
+    padded = n
+    if allow_ubatch:  # both micro-batches are padded to the larger one's size
+        k = balanced_split(per_req)
+        padded = 2 * int(max(per_req[:k].sum(), per_req[k:].sum()))
+    should_ubatch, after_padding, _ = coordinate_batch_across_dp(
+        n, allow_ubatch, True, par, padded, inp.is_pure_decode, per_req, 0, dp_group=ps.dp)
+    dp_pad = int(after_padding[ps.layout.dp_rank])
+    if not should_ubatch:
+        sp = is_residual_scattered_for_sp(runner.config, n)
+        return runner.model(inp.input_ids, inp.positions, inp.meta, sp, dp_pad)
+    ubatches = []
+    for part in (slice(0, k), slice(k, len(reqs))):
+        ub = prepare_step(reqs[part], block_ids[part], runner.layout, ps, None, runner.device,
+                          runner.backend)
+        ubatches.append((ub.input_ids, ub.positions, ub.meta))
+    runner.num_dbo_steps += 1
+    return run_dual_batch(runner.model, ubatches, dp_pad // 2)
+
+
+def run_dummy_step(runner) -> None:
+    """A one-token forward with no KV write: keeps an idle DP rank in the expert collectives."""
+    req = ScheduledRequest("dp-dummy", [0], 0, [0], True, False)
+    inp = prepare_step([req], [[0]], runner.layout, runner.ps, None, runner.device,
+                       runner.backend)
+    inp.meta.slot_mapping.fill_(-1)
+    run_coordinated(runner, [req], [[0]], inp)
