@@ -10,6 +10,7 @@ untouched and never touch torch.distributed, so one rank needs no process group.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -182,17 +183,27 @@ def single_rank_state() -> ParallelState:
     return ParallelState(RankLayout(1, 1, 1, 1, 0), g, g, g, g, g, g)
 
 
+# A worker waits for the driver's next step plan for as long as the engine sits idle, so the
+# model group's object channel has no real deadline; the driver watches that send instead.
+IDLE_TIMEOUT = datetime.timedelta(days=3650)
+
+
 def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
-    """Create every group; all ranks must call this in the same order (new_group is collective)."""
+    """Create every group; all ranks must call this in the same order (new_group is collective).
+    Every collective is bounded by `distributed_timeout_s` (new_group's own default is gloo's
+    30 minutes), except the plan channel (`world`'s cpu_group, see IDLE_TIMEOUT)."""
     layout = RankLayout(cfg.tensor_parallel_size, cfg.prefill_context_parallel_size,
                         cfg.decode_context_parallel_size, cfg.data_parallel_size, rank)
     if cfg.world_size == 1:
         return single_rank_state()
-    mine = {}
-    for kind, lists in group_ranks(cfg).items():
+    mine, timeout = {}, datetime.timedelta(seconds=cfg.distributed_timeout_s)
+    groups = group_ranks(cfg)
+    plans = "world" if "world" in groups else "model"  # the group the step plans travel on
+    for kind, lists in groups.items():
         for ranks in lists:
-            device_group = dist.new_group(ranks)
-            cpu_group = dist.new_group(ranks, backend="gloo")
+            device_group = dist.new_group(ranks, timeout=timeout)
+            cpu_group = dist.new_group(ranks, backend="gloo",
+                                       timeout=IDLE_TIMEOUT if kind == plans else timeout)
             if rank in ranks:
                 mine[kind] = GroupCoordinator(ranks, rank, device_group, cpu_group)
     return ParallelState(layout, **mine)

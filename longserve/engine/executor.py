@@ -2,23 +2,46 @@
 
 The engine process is rank 0 and runs its own worker in-process. With more ranks on
 this host it spawns one process per other rank; each step the plan is broadcast over a
-gloo group and every rank runs it. A watchdog notices a dead worker: the driver's next
-(or current) collective fails fast, and the error names the rank and its exit code.
-Under torchrun every rank already exists: ranks other than 0 enter the worker loop.
+gloo group and every rank runs it. Under torchrun every rank already exists: ranks other
+than 0 enter the worker loop.
+
+Failures end in bounded time with an error that names the rank: a watchdog thread notices a
+dead worker at once and a plan send that a worker does not take within the timeout; every
+collective of a step is bounded by `distributed_timeout_s` (a stopped or hung worker).
+A step cut short on rank 0 (an exception, a second Ctrl-C) leaves the ranks out of step:
+the executor then stops its workers and refuses further steps. One multi-process engine
+lives in a process at a time (torch.distributed has one default group): building another
+shuts the previous one down; so do shutdown(), a failed start, and exit (atexit).
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import logging
 import os
+import signal
 import socket
 import threading
 import time
+import weakref
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longserve.config import EngineConfig
 from longserve.step_plan import DPStepPlan, SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
 from longserve.worker.worker import SHUTDOWN, Worker, worker_main
+
+logger = logging.getLogger(__name__)
+_live: weakref.WeakSet = weakref.WeakSet()  # multi-rank executors not shut down yet
+
+
+@atexit.register  # runs before multiprocessing's own exit hook (atexit is last-in, first-out)
+def shutdown_all() -> None:
+    for executor in list(_live):
+        executor.shutdown()
 
 
 def free_port() -> int:
@@ -32,100 +55,249 @@ def launched_by_torchrun() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
+def process_state(pid: int) -> str:
+    """One letter of /proc/<pid>/stat: R running, S sleeping, T stopped, Z zombie; '?' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def is_timeout(e: BaseException) -> bool:
+    return "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
+
+
 class Executor:
     """Owns rank 0's worker and, when world_size > 1, the other ranks' processes."""
 
     def __init__(self, config: EngineConfig):
-        self.config = config
-        world = config.parallel.world_size
+        self.config, self.world = config, config.parallel.world_size
+        self.timeout = config.parallel.distributed_timeout_s
         self.procs: list = []
+        self.driver: Worker | None = None
         self.failure: str | None = None
-        self._closing = False
+        self.port: int | None = None
+        self.progress = None  # plans received, per rank (shared memory)
+        self._closing, self._step, self._waiting = False, 0, None
+        self._threads, self._owns_groups = None, False
+        self._torchrun = self.world > 1 and launched_by_torchrun()
+        if self.world > 1 and not self._torchrun:
+            make_room_for_process_group()
+        self._threads = torch.get_num_threads()  # the driver's, restored at shutdown
+        self._owns_groups = self.world > 1
         try:
-            if world == 1:
-                self.driver = Worker(config)
-            elif launched_by_torchrun():
-                self.driver = self._join_torchrun(config, world)
-            else:
-                self.driver = self._spawn(config, world)
-            self.num_blocks = self.driver.determine_num_blocks()
-            self.driver.init_cache(self.num_blocks)
+            with self._waiting_for("the engine was starting"):
+                if self.world == 1:
+                    self.driver = Worker(config)
+                elif self._torchrun:
+                    self.driver = self._join_torchrun(config)
+                else:
+                    self.driver = self._spawn(config)
+                self.num_blocks = self.driver.determine_num_blocks()
+                self.driver.init_cache(self.num_blocks)
         except BaseException:
-            self._closing = True  # a failed start leaves no worker behind
-            self._kill_all()
+            self._teardown()  # a failed start leaves no worker, group or port behind
             raise
+        if self.world > 1:
+            _live.add(self)
 
-    def _spawn(self, config: EngineConfig, world: int) -> Worker:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+    def _spawn(self, config: EngineConfig) -> Worker:
+        self.port = free_port()
+        init_method = f"tcp://127.0.0.1:{self.port}"
         ctx = mp.get_context("spawn")
-        for rank in range(1, world):
-            p = ctx.Process(target=worker_main, args=(config, rank, init_method), daemon=True)
+        self.progress = ctx.Array("q", self.world, lock=False)
+        for rank in range(1, self.world):
+            p = ctx.Process(target=worker_main, daemon=True,
+                            args=(config, rank, init_method, None, self.progress))
             p.start()
             self.procs.append(p)
-        threading.Thread(target=self._watch, daemon=True).start()
+        self._watchdog = threading.Thread(target=watch, args=(weakref.ref(self),), daemon=True)
+        self._watchdog.start()
         return Worker(config, 0, init_method, alive_check=self._raise_if_failed)
 
     def _raise_if_failed(self) -> None:
         if self.failure:
-            raise RuntimeError(f"{self.failure} while the engine was starting")
+            raise RuntimeError(self.failure)
 
-    def _join_torchrun(self, config: EngineConfig, world: int) -> Worker:
-        if int(os.environ["WORLD_SIZE"]) != world:
+    def _join_torchrun(self, config: EngineConfig) -> Worker:
+        if int(os.environ["WORLD_SIZE"]) != self.world:
             raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes; the parallel "
-                             f"config needs {world}")
+                             f"config needs {self.world}")
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
         if rank != 0:
             worker_main(config, rank, "env://", local)
             raise SystemExit(0)  # a worker's job ends with the driver's shutdown
         return Worker(config, 0, "env://", local)
 
-    def _watch(self) -> None:
-        """Poll the children (only this thread reaps them); when one dies, record why and
-        stop the rest."""
-        while not self.failure and not self._closing:
-            for rank, p in enumerate(self.procs, start=1):
-                p.join(timeout=0.2)
-                if p.exitcode is not None and not self._closing:
-                    self.failure = f"worker rank {rank} died (exit code {p.exitcode})"
-                    self._kill_all()
-                    return
+    # ---- waiting on the other ranks ---------------------------------------------------
+    @contextlib.contextmanager
+    def _waiting_for(self, what: str):
+        """Mark what rank 0 waits for (the watchdog reads it); explain a failure inside."""
+        self._waiting = (what, time.monotonic())
+        try:
+            yield
+        except Exception as e:
+            explained = self._explain(e, what)
+            if explained is e:
+                raise
+            raise explained from e
+        finally:
+            self._waiting = None
 
-    def _kill_all(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
+    def _explain(self, e: Exception, what: str) -> Exception:
+        if self.world == 1:
+            return e
+        deadline = time.monotonic() + 2.0  # a closed connection: let the watchdog see who died
+        while self.procs and self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.failure is None and is_timeout(e):
+            self.failure = (f"worker rank {self._laggards()} did not respond within "
+                            f"{self.timeout:g} s while {what}")
+        if self.failure is None:
+            return e
+        where = "" if self.failure.endswith(what) else f" while {what}"
+        return RuntimeError(f"{self.failure}{where}; the engine cannot continue")
 
+    def _laggards(self, step: int | None = None) -> str:
+        """The workers to blame: stopped ones, else those that did not take plan `step`."""
+        stopped = [r for r, p in enumerate(self.procs, 1) if process_state(p.pid) == "T"]
+        if stopped:
+            return ", ".join(map(str, stopped)) + " (its process is stopped)"
+        step = self._step if step is None else step
+        behind = [r for r in range(1, self.world) if self.progress and self.progress[r] < step]
+        return ", ".join(map(str, behind or range(1, self.world)))
+
+    # ---- steps ------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput | DPStepPlan) -> ModelRunnerOutput | None:
         if self.failure:
-            raise RuntimeError(self.failure)
-        try:
-            self.driver.ps.world.broadcast_object(out)  # the model group when dp == 1
-            return self.driver.execute(out)
-        except Exception as e:
-            # a peer's closed connection usually means it died: give the watchdog a moment
-            deadline = time.monotonic() + 5.0
-            while self.procs and self.failure is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if self.failure:
-                raise RuntimeError(f"{self.failure}; the engine cannot continue") from e
-            raise
+            raise RuntimeError(f"{self.failure}; this engine cannot run: build a new LLM")
+        if self._closing:
+            raise RuntimeError("the engine was shut down; build a new LLM")
+        with defer_interrupt():  # a Ctrl-C lands after the step, with every rank in step
+            if self.world == 1:
+                return self.driver.execute(out)
+            self._step += 1
+            try:
+                with self._waiting_for(f"taking the plan of step {self._step}"):
+                    self.driver.ps.world.broadcast_object(out)  # model group if dp == 1
+                with self._waiting_for(f"running step {self._step}"):
+                    return self.driver.execute(out)
+            except BaseException as e:  # the other ranks are somewhere inside the step: stop them
+                if self.failure is None:
+                    self.failure = (f"step {self._step} was cut short on rank 0 by {type(e).__name__}"
+                                    " (the ranks fell out of step; the workers were stopped)")
+                self._teardown()
+                raise
 
+    # ---- shutting down ----------------------------------------------------------------
     def shutdown(self) -> None:
+        """Stop the workers and free the groups, ports and memory. Idempotent; bounded by
+        min(timeout, 10 s) for the workers to leave, then they are killed."""
         if self._closing:
             return
         self._closing = True
-        if self.config.parallel.world_size > 1 and not self.failure:  # spawned or torchrun
+        if self.world > 1 and self.failure is None and self.driver is not None:
             try:
                 self.driver.ps.world.broadcast_object(SHUTDOWN)
             except Exception:
                 pass
-        for p in self.procs:
-            p.join(timeout=10)
-        self._kill_all()
-        self.driver.close()
+            deadline = time.monotonic() + min(self.timeout, 10.0)
+            for p in self.procs:
+                p.join(timeout=max(deadline - time.monotonic(), 0.01))
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._closing = True
+        _live.discard(self)
+        if getattr(self, "_watchdog", None) is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=2)
+        kill_and_reap(self.procs)
+        if self._owns_groups and dist.is_initialized():
+            try:
+                dist.destroy_process_group()  # the default group and every sub-group
+            except Exception as e:
+                logger.warning("destroying the process groups failed: %s", e)
+        if self.driver is not None:
+            self.driver.close()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+
+
+    def __del__(self):  # an engine dropped without shutdown() (the atexit hook holds no reference)
         try:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            self.shutdown()
         except Exception:
             pass
+
+
+@contextlib.contextmanager
+def defer_interrupt():
+    """Hold a Ctrl-C (SIGINT) until the block ends: a step must finish on every rank or the
+    ranks fall out of step. A second Ctrl-C interrupts at once. Main thread only (signals)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending = []
+
+    def hold(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
+
+
+def kill_and_reap(procs: list) -> None:
+    """SIGKILL (it ends a stopped process too) every live worker, then wait for each."""
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def make_room_for_process_group() -> None:
+    """torch.distributed has one default group a process: shut down the engine holding it."""
+    for old in list(_live):
+        if not old._torchrun:
+            logger.warning("a multi-process engine is already running in this process; shutting "
+                           "it down (one at a time: call LLM.shutdown() or use `with LLM(...)`)")
+            old.shutdown()
+            old.failure = old.failure or "this engine was shut down when a newer one was built"
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process (not by "
+                           "LongServe); call torch.distributed.destroy_process_group() first, "
+                           "or launch every rank with torchrun")
+
+
+def watch(ref: weakref.ref) -> None:
+    """The watchdog: poll the children (only this thread reaps them while the engine runs).
+    A dead worker, or a plan send that waits longer than the timeout, records the failure
+    and kills the workers so that rank 0's pending collective fails at once."""
+    while True:
+        ex = ref()
+        if ex is None or ex.failure or ex._closing:
+            return
+        for rank, p in enumerate(ex.procs, start=1):
+            p.join(timeout=0.1)
+            if p.exitcode is not None and not ex._closing:
+                ex.failure = f"worker rank {rank} died (exit code {p.exitcode})"
+        waiting = ex._waiting
+        if (ex.failure is None and waiting and waiting[0].startswith("taking the plan")
+                and time.monotonic() - waiting[1] > ex.timeout):
+            ex.failure = (f"worker rank {ex._laggards()} did not respond within "
+                          f"{ex.timeout:g} s while {waiting[0]}")
+        if ex.failure:
+            for p in ex.procs:
+                if p.exitcode is None:
+                    p.kill()
+            return
+        del ex

@@ -21,20 +21,23 @@ from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from longserve.worker.utils import MemorySnapshot, request_memory
 
 SHUTDOWN = "shutdown"
+JOIN_TIMEOUT_S = 60.0  # the least time a spawned process gets to start and join
 
 
 def rendezvous(init_method: str, rank: int, world: int, timeout_s: float,
                alive_check: Callable[[], None] | None = None) -> dist.Store:
     """The TCP store every rank joins (rank 0 hosts it). Each other rank says hello; rank 0
     waits for the hellos in one-second rounds and calls `alive_check` between them, so a rank
-    that dies before joining fails start-up at once instead of after the whole timeout."""
+    that dies before joining fails start-up at once instead of after the whole timeout. Joining
+    may take JOIN_TIMEOUT_S even with a shorter timeout: a new process imports torch first."""
     url = urlparse(init_method)
     store = dist.TCPStore(url.hostname, url.port, world, is_master=rank == 0,
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
     if rank != 0:
         store.set(f"hello/{rank}", "1")
         return store
-    keys, deadline = [f"hello/{r}" for r in range(1, world)], time.monotonic() + timeout_s
+    join_s = max(timeout_s, JOIN_TIMEOUT_S)
+    keys, deadline = [f"hello/{r}" for r in range(1, world)], time.monotonic() + join_s
     while True:
         if alive_check is not None:
             alive_check()
@@ -43,7 +46,17 @@ def rendezvous(init_method: str, rank: int, world: int, timeout_s: float,
             return store
         except RuntimeError as e:  # DistStoreError: not all there yet
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the workers did not join within {timeout_s:.0f} s") from e
+                raise RuntimeError(f"the workers did not join within {join_s:.0f} s") from e
+
+
+def limit_cpu_threads(local_ranks: int) -> None:
+    """Give this rank its share of the host's cores (ranks on one host would otherwise each run
+    a thread per core: 3-5x slower on CPU). Never raises the count, so a smaller
+    torch.set_num_threads of the user's stays; OMP_NUM_THREADS set means the user chose."""
+    before = torch.get_num_threads()
+    if local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, min(before, (cores or 1) // local_ranks)))
 
 
 class Worker:
@@ -51,6 +64,7 @@ class Worker:
                  local_rank: int | None = None, alive_check: Callable[[], None] | None = None):
         self.config, self.rank = config, rank
         world = config.parallel.world_size
+        limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if config.device == "cuda":
             local_rank = rank % max(torch.cuda.device_count(), 1) if local_rank is None else local_rank
             self.device = torch.device("cuda", local_rank)
@@ -110,22 +124,25 @@ class Worker:
         return self.runner.execute(out)
 
     def close(self) -> None:
-        """Drop the model, KV cache and graphs so the device memory is free for the next engine."""
-        self.runner = None
+        """Drop the model, KV cache and graphs so the device memory is free for the next engine,
+        and the process groups (they hold the rendezvous store and its port)."""
+        self.runner = self.ps = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str,
-                local_rank: int | None = None) -> None:
-    """Entry of a spawned worker: follow the driver's steps until it says shutdown."""
+                local_rank: int | None = None, progress=None) -> None:
+    """Entry of a spawned worker: follow the driver's steps until it says shutdown.
+    `progress` (shared memory, one slot a rank) counts the plans this rank has received, so
+    the driver can name a rank that stopped answering."""
     if os.environ.get("LONGSERVE_TEST_WORKER_EXIT") == str(rank):  # test hook: die before joining
         os._exit(7)
     try:
         worker = Worker(config, rank, init_method, local_rank)
         worker.init_cache(worker.determine_num_blocks())
-        run_worker_loop(worker)
+        run_worker_loop(worker, progress)
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
@@ -133,9 +150,11 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
     dist.destroy_process_group()
 
 
-def run_worker_loop(worker: Worker) -> None:
+def run_worker_loop(worker: Worker, progress=None) -> None:
     while True:
         out = worker.ps.world.broadcast_object(None)
+        if progress is not None:
+            progress[worker.rank] += 1
         if out == SHUTDOWN:
             return
         worker.execute(out)

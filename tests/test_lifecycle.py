@@ -1,0 +1,242 @@
+"""Engine lifecycle with real worker processes (tp=2, gloo): every start, stop, crash, hang and
+interrupt ends in bounded time and leaves the process ready for the next engine, with no
+worker process, process group or port left behind (checked by process id)."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from longserve import LLM, SamplingParams
+from longserve.engine.executor import process_state
+from longserve.worker.worker import limit_cpu_threads
+
+PROMPT = [{"prompt_token_ids": [1, 5, 6, 7]}]
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+def tp2(**kw) -> LLM:
+    return LLM("builtin:llama-tiny", device="cpu", tensor_parallel_size=2, max_model_len=512,
+               **{"distributed_timeout_s": 30, **kw})
+
+
+def tokens(llm, params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)):
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def gone(pid: int) -> bool:
+    """Dead and reaped: no process, not even a zombie, has this id."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def assert_clean(llm_or_pids, port=None):
+    """The workers are gone; for an engine (not bare pids) the process groups are too."""
+    pids = llm_or_pids if isinstance(llm_or_pids, list) else worker_pids(llm_or_pids)
+    assert pids and all(gone(pid) for pid in pids), [process_state(p) for p in pids]
+    assert isinstance(llm_or_pids, list) or not dist.is_initialized()
+    if port is not None:  # the rendezvous port is free again
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def worker_pids(llm) -> list[int]:
+    return [p.pid for p in llm.engine.executor.procs]
+
+
+def timed(fn):
+    t = time.monotonic()
+    fn()
+    return time.monotonic() - t
+
+
+@pytest.fixture(scope="module")
+def expected():
+    with LLM("builtin:llama-tiny", device="cpu", max_model_len=512) as one:
+        return tokens(one)
+
+
+@pytest.mark.timeout(120)
+def test_engines_built_one_after_another(expected):
+    """shutdown() (twice), a context manager, and an engine never shut down that the next
+    one replaces: each gives one rank's tokens and leaves nothing behind."""
+    threads = torch.get_num_threads()
+    first = tp2()
+    assert tokens(first) == expected
+    port = first.engine.executor.port
+    first.shutdown()
+    assert timed(first.shutdown) < 0.1  # idempotent
+    assert_clean(first, port)
+    with tp2() as second:
+        assert tokens(second) == expected
+    assert_clean(second, second.engine.executor.port)
+    third = tp2()  # a notebook cell run again: the old engine is still referenced
+    assert tokens(third) == expected
+    fourth = tp2()
+    assert_clean(worker_pids(third))
+    with pytest.raises(RuntimeError, match="shut down when a newer one was built"):
+        tokens(third)
+    assert tokens(fourth) == expected
+    fourth.shutdown()
+    assert_clean(fourth)
+    assert torch.get_num_threads() == threads  # the driver's own count is back
+
+
+@pytest.mark.timeout(120)
+def test_failed_starts_then_a_good_one(monkeypatch, expected):
+    monkeypatch.setenv("LONGSERVE_TEST_WORKER_EXIT", "1")  # a worker dies before it joins
+    with pytest.raises(RuntimeError, match="worker rank 1 died .*starting"):
+        tp2()
+    monkeypatch.delenv("LONGSERVE_TEST_WORKER_EXIT")
+    from longserve.worker.worker import Worker
+
+    def broken(self, num_blocks):  # rank 0 fails after the groups exist and the workers wait
+        raise MemoryError("no room for the KV cache")
+    with monkeypatch.context() as m:
+        m.setattr(Worker, "init_cache", broken)
+        with pytest.raises(MemoryError):
+            tp2()
+    time.sleep(0.2)
+    assert not dist.is_initialized() and not __import__("multiprocessing").active_children()
+    llm = tp2()
+    assert tokens(llm) == expected
+    llm.shutdown()
+    assert_clean(llm)
+
+
+@pytest.mark.timeout(120)
+def test_worker_killed_mid_generate_then_a_new_engine(expected):
+    llm = tp2()
+    pids = worker_pids(llm)
+    threading.Timer(0.5, os.kill, (pids[0], signal.SIGKILL)).start()
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\) while"):
+        tokens(llm, LONG)
+    assert time.monotonic() - t < 10
+    with pytest.raises(RuntimeError, match="worker rank 1 died"):  # stays failed, says why
+        tokens(llm)
+    assert_clean(pids)  # the crashed engine's workers were reaped without shutdown()
+    again = tp2()
+    assert tokens(again) == expected
+    again.shutdown()
+    llm.shutdown()
+    assert_clean(again)
+
+
+@pytest.mark.timeout(120)
+def test_stopped_worker_is_named_within_the_timeout():
+    """SIGSTOP: no connection closes, only the bounded collectives can notice."""
+    llm = tp2(distributed_timeout_s=5)
+    tokens(llm)
+    pids = worker_pids(llm)
+    os.kill(pids[0], signal.SIGSTOP)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(its process is stopped\) did not "
+                                           r"respond within 5 s while (taking the plan of|running) step"):
+        tokens(llm)
+    assert time.monotonic() - t < 10
+    assert timed(llm.shutdown) < 5
+    assert_clean(pids)
+
+
+def interrupt_soon(after_s: float = 0.5) -> None:
+    threading.Timer(after_s, signal.raise_signal, (signal.SIGINT,)).start()
+
+
+@pytest.mark.timeout(120)
+def test_driver_only_interrupt_lands_between_steps_and_the_engine_goes_on(expected):
+    """Ctrl-C reaches the driver only (a notebook's interrupt) while the workers are mid-step:
+    it is held to the end of the step, so the ranks stay in step and the engine is reusable."""
+    llm = tp2()
+    pids = worker_pids(llm)
+    interrupt_soon()
+    with pytest.raises(KeyboardInterrupt):
+        tokens(llm, LONG)
+    assert not llm.engine.scheduler.has_unfinished()
+    assert tokens(llm) == expected
+    assert len(tokens(llm, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))) == 50
+    assert timed(llm.shutdown) < 5
+    assert_clean(pids)
+
+
+@pytest.mark.timeout(120)
+def test_step_cut_short_on_the_driver_stops_the_workers(expected):
+    """An exception inside rank 0's step (here a KeyboardInterrupt raised between two layers,
+    like a second Ctrl-C): the ranks are out of step, so the workers are stopped at once and the
+    engine says so; the next engine works."""
+    llm = tp2()
+    pids = worker_pids(llm)
+    runner, calls = llm.engine.executor.driver.runner, []
+    layer = runner.model.layers[1]
+    real = layer.forward
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    layer.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        tokens(llm, LONG)
+    assert all(gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="step 5 was cut short on rank 0 by KeyboardInterrupt"):
+        tokens(llm)
+    assert timed(llm.shutdown) < 1
+    assert_clean(pids)
+    again = tp2()
+    assert tokens(again) == expected
+    again.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_exit_without_shutdown_leaves_no_worker(tmp_path):
+    """The atexit hook shuts down an engine the script forgot."""
+    script = tmp_path / "forgot.py"
+    script.write_text(textwrap.dedent("""
+        from longserve import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM("builtin:llama-tiny", device="cpu", tensor_parallel_size=2)
+            llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2), use_tqdm=False)
+            print("pids", *[p.pid for p in llm.engine.executor.procs], flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    pids = [int(x) for line in run.stdout.splitlines() if line.startswith("pids")
+            for x in line.split()[1:]]
+    deadline = time.monotonic() + 5
+    while not all(gone(p) or process_state(p) == "Z" for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pids and all(gone(p) or process_state(p) == "Z" for p in pids)
+
+
+def test_cpu_threads_are_shared_among_local_ranks(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+        torch.set_num_threads(8)
+        limit_cpu_threads(2)
+        assert torch.get_num_threads() == 4
+        limit_cpu_threads(16)  # more ranks than cores: one thread each
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(3)  # the user's smaller choice stays
+        limit_cpu_threads(2)
+        assert torch.get_num_threads() == 3
+        torch.set_num_threads(8)
+        monkeypatch.setenv("OMP_NUM_THREADS", "8")  # set by the user: left alone
+        limit_cpu_threads(2)
+        assert torch.get_num_threads() == 8
+    finally:
+        torch.set_num_threads(before)
