@@ -136,21 +136,30 @@ def test_worker_killed_mid_generate_then_a_new_engine(expected):
 @pytest.mark.timeout(120)
 def test_stopped_worker_is_named_within_the_timeout():
     """SIGSTOP: no connection closes, only the bounded collectives can notice."""
-    llm = tp2(distributed_timeout_s=5)
+    llm = tp2(distributed_timeout_s=8)
     tokens(llm)
     pids = worker_pids(llm)
     os.kill(pids[0], signal.SIGSTOP)
     t = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(its process is stopped\) did not "
-                                           r"respond within 5 s while (taking the plan of|running) step"):
+                                           r"respond within 8 s while (taking the plan of|running) step"):
         tokens(llm)
-    assert time.monotonic() - t < 10
+    assert time.monotonic() - t < 16
     assert timed(llm.shutdown) < 5
     assert_clean(pids)
 
 
-def interrupt_soon(after_s: float = 0.5) -> None:
-    threading.Timer(after_s, signal.raise_signal, (signal.SIGINT,)).start()
+def on_fifth_layer_call(llm, action) -> None:
+    """Run `action` on rank 0 inside a step (between two layers), while rank 1 is mid-step."""
+    layer, calls = llm.engine.executor.driver.runner.model.layers[1], []
+    real = layer.forward
+
+    def hooked(*a, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            action()
+        return real(*a, **kw)
+    layer.forward = hooked
 
 
 @pytest.mark.timeout(120)
@@ -159,7 +168,7 @@ def test_driver_only_interrupt_lands_between_steps_and_the_engine_goes_on(expect
     it is held to the end of the step, so the ranks stay in step and the engine is reusable."""
     llm = tp2()
     pids = worker_pids(llm)
-    interrupt_soon()
+    on_fifth_layer_call(llm, lambda: signal.raise_signal(signal.SIGINT))
     with pytest.raises(KeyboardInterrupt):
         tokens(llm, LONG)
     assert not llm.engine.scheduler.has_unfinished()
@@ -176,16 +185,10 @@ def test_step_cut_short_on_the_driver_stops_the_workers(expected):
     engine says so; the next engine works."""
     llm = tp2()
     pids = worker_pids(llm)
-    runner, calls = llm.engine.executor.driver.runner, []
-    layer = runner.model.layers[1]
-    real = layer.forward
 
-    def interrupted(*a, **kw):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-    layer.forward = interrupted
+    def second_ctrl_c():
+        raise KeyboardInterrupt
+    on_fifth_layer_call(llm, second_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         tokens(llm, LONG)
     assert all(gone(pid) for pid in pids)
