@@ -185,8 +185,9 @@ class Executor:
                     return self.driver.execute(out)
             except BaseException as e:  # the other ranks are somewhere inside the step: stop them
                 if self.failure is None:
-                    self.failure = (f"step {self._step} was cut short on rank 0 by {type(e).__name__}"
-                                    " (the ranks fell out of step; the workers were stopped)")
+                    self.failure = (f"step {self._step} was cut short on rank 0 by "
+                                    f"{type(e).__name__} (the ranks fell out of step; the "
+                                    "workers were stopped)")
                 self._teardown()
                 raise
 
@@ -210,8 +211,9 @@ class Executor:
     def _teardown(self) -> None:
         self._closing = True
         _live.discard(self)
-        if getattr(self, "_watchdog", None) is not None and self._watchdog is not threading.current_thread():
-            self._watchdog.join(timeout=2)
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None and watchdog is not threading.current_thread():
+            watchdog.join(timeout=2)
         kill_and_reap(self.procs)
         if self._owns_groups and dist.is_initialized():
             try:
