@@ -21,6 +21,7 @@ class ScheduledRequest:
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
     sampling_params: SamplingParams | None = None  # with `new` only
     seed_offset: int = 0  # tokens sampled so far (keeps seeded sampling reproducible on resume)
+    resumed_from_preemption: bool = False  # `new` again after a preemption
 
 
 @dataclass

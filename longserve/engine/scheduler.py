@@ -145,6 +145,7 @@ class Scheduler:
             sample=start + n == req.num_tokens,
             sampling_params=req.sampling_params if sent is None else None,
             seed_offset=len(req.output_token_ids),
+            resumed_from_preemption=sent is None and req.num_preemptions > 0,
         )
 
     # ---- results ----------------------------------------------------------------------
