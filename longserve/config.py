@@ -241,6 +241,50 @@ class SchedulerConfig:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """KV transfer between instances (prefill/decode disaggregation) and CPU offload.
+    vLLM's `--kv-transfer-config` JSON keys; see longserve/kv_transfer/."""
+    kv_role: str | None = None  # kv_producer, kv_consumer, kv_both; None: no transfer
+    engine_id: str | None = None  # this instance's name in transfer params (default: random)
+    kv_ip: str = "127.0.0.1"  # a producer hosts its TCP store (control messages) here
+    kv_port: int = 0  # 0: a free port
+    kv_lease_s: float = 30.0  # a producer keeps a finished request's blocks at most this long
+    kv_transfer_timeout_s: float = 10.0  # a consumer gives a pull up after this long
+    kv_load_failure_policy: str = "recompute"  # or "fail": the request ends with an error
+    kv_buffer_layout: str = "NHD"  # block layout on the wire: NHD or HND
+    kv_offload_bytes: int = 0  # host pool for blocks evicted from the device cache (0: off)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVTransferConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_config keys {sorted(unknown)}; "
+                             f"allowed: {sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail', "
+                             f"got {self.kv_load_failure_policy!r}")
+        if self.kv_buffer_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_buffer_layout must be 'NHD' or 'HND', got {self.kv_buffer_layout!r}")
+        for name in ("kv_lease_s", "kv_transfer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_gb must be >= 0, got {self.kv_offload_bytes / (1 << 30)}")
+        if self.kv_role is not None and self.kv_offload_bytes:
+            raise ValueError("CPU offload and kv_role cannot be combined yet: use one of them")
+        if not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_port must be in [0, 65536), got {self.kv_port}")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -253,3 +297,4 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # "auto", "torch", "triton"
     load_format: str = "auto"  # "auto": safetensors from the folder; "dummy": seeded random
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

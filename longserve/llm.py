@@ -6,8 +6,8 @@ import os
 import torch
 from tqdm import tqdm
 
-from longserve.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig, parse_dtype)
+from longserve.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
+                              ParallelConfig, SchedulerConfig, parse_dtype)
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.request import RequestOutput
 from longserve.inputs import is_token_list
@@ -91,7 +91,8 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
                         attention_backend: str = "auto", load_format: str = "auto",
                         distributed_timeout_s: float = 300.0, enable_expert_parallel: bool = False,
                         enable_dbo: bool = False, dbo_decode_token_threshold: int = 32,
-                        dbo_prefill_token_threshold: int = 512) -> EngineConfig:
+                        dbo_prefill_token_threshold: int = 512, kv_offload_gb: float = 0.0,
+                        kv_transfer_config: dict | KVTransferConfig | None = None) -> EngineConfig:
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a folder path or 'builtin:<name>', got {type(model).__name__}")
     model = os.fspath(model)
@@ -129,8 +130,29 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
                             max_model_len, enable_chunked_prefill)
     if not enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+    kv_transfer = build_kv_transfer_config(kv_transfer_config, kv_offload_gb)
+    if kv_transfer.kv_offload_bytes and not enable_prefix_caching:
+        raise ValueError("kv_offload_gb needs prefix caching (drop --no-enable-prefix-caching)")
+    if (kv_transfer.kv_offload_bytes or kv_transfer.kv_role) and data_parallel_size > 1:
+        raise ValueError("KV transfer and kv_offload_gb run with data_parallel_size=1 for now")
     return EngineConfig(model_cfg, cache, parallel, sched, parse_dtype(dtype), device,
-                        enforce_eager, seed, attention_backend, load_format)
+                        enforce_eager, seed, attention_backend, load_format, kv_transfer)
+
+
+def build_kv_transfer_config(kv_transfer_config, kv_offload_gb: float) -> KVTransferConfig:
+    if not isinstance(kv_offload_gb, (int, float)) or kv_offload_gb < 0:
+        raise ValueError(f"kv_offload_gb must be a number >= 0, got {kv_offload_gb!r}")
+    if isinstance(kv_transfer_config, KVTransferConfig):
+        cfg = kv_transfer_config
+    elif isinstance(kv_transfer_config, dict) or kv_transfer_config is None:
+        cfg = KVTransferConfig.from_dict(dict(kv_transfer_config or {}))
+    else:
+        raise TypeError("kv_transfer_config must be a dict or KVTransferConfig, "
+                        f"got {type(kv_transfer_config).__name__}")
+    if kv_offload_gb:
+        cfg.kv_offload_bytes = int(kv_offload_gb * (1 << 30))
+    cfg.validate()
+    return cfg
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

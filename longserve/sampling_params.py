@@ -52,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
     include_stop_str_in_output: bool = False
+    extra_args: dict | None = None  # {"kv_transfer_params": {...}}: a consumer loads the prompt's KV
 
     def __post_init__(self):
         self.validate()

@@ -29,6 +29,9 @@ class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # workers drop their state
     new_block_ids: list[int] = field(default_factory=list)  # to be zeroed before use
+    # the KV connector's plan for the step (kv_transfer/): loads, saves, held requests; the
+    # blocks it fills (its `filled_block_ids`) are not in new_block_ids
+    kv_connector_metadata: object | None = None
 
     @property
     def num_tokens(self) -> int:

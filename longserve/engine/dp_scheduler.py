@@ -45,6 +45,13 @@ class DPScheduler:
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
 
+    def has_kv_transfers(self) -> bool:
+        return False  # KV transfer and offload run with one DP rank (config check)
+
+    @property
+    def num_prompt_tokens_computed(self) -> int:
+        return sum(s.num_prompt_tokens_computed for s in self.schedulers)
+
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         self.schedulers[0].check_fits(num_prompt_tokens, max_tokens)  # every rank's pool is alike
 

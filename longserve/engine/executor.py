@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longserve.config import EngineConfig
+from longserve.kv_transfer.utils import KVOutputAggregator
 from longserve.step_plan import DPStepPlan, SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
 from longserve.worker.worker import SHUTDOWN, Worker, worker_main
@@ -96,6 +97,10 @@ class Executor:
                     self.driver = self._spawn(config)
                 self.num_blocks = self.driver.determine_num_blocks()
                 self.driver.init_cache(self.num_blocks)
+            connector = self.driver.runner.kv_connector
+            # every rank of the replica holds part of each request's KV (TP x PCP; DCP is in TP)
+            self.kv_aggregator = None if connector is None else \
+                KVOutputAggregator.from_connector(connector, self.driver.ps.model.world_size)
         except BaseException:
             self._teardown()  # a failed start leaves no worker, group or port behind
             raise
@@ -176,13 +181,13 @@ class Executor:
             raise RuntimeError("the engine was shut down; build a new LLM")
         with defer_interrupt():  # a Ctrl-C lands after the step, with every rank in step
             if self.world == 1:
-                return self.driver.execute(out)
+                return self._aggregate(self.driver.execute(out))
             self._step += 1
             try:
                 with self._waiting_for(f"taking the plan of step {self._step}"):
                     self.driver.ps.world.broadcast_object(out)  # model group if dp == 1
                 with self._waiting_for(f"running step {self._step}"):
-                    return self.driver.execute(out)
+                    return self._aggregate(self.driver.execute(out))
             except BaseException as e:  # the other ranks are somewhere inside the step: stop them
                 if self.failure is None:
                     self.failure = (f"step {self._step} was cut short on rank 0 by "
@@ -192,6 +197,12 @@ class Executor:
                 raise
 
     # ---- shutting down ----------------------------------------------------------------
+    def _aggregate(self, result):
+        """With a KV connector: every rank's report, united (KV transfer runs with dp == 1)."""
+        if self.kv_aggregator is None:
+            return result
+        return self.kv_aggregator.aggregate(self.driver.ps.model.gather_object(result))
+
     def shutdown(self) -> None:
         """Stop the workers and free the groups, ports and memory. Idempotent; bounded by
         min(timeout, 10 s) for the workers to leave, then they are killed."""

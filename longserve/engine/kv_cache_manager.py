@@ -46,6 +46,7 @@ class KVCacheManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.newly_allocated: list[int] = []  # blocks handed out since the last drain (to zero)
         self.num_cached_tokens_hit = 0
+        self.on_evict = None  # (block id, block hash) -> None: a cached block is taken for new data
 
     # ---- pool -------------------------------------------------------------------------
     @property
@@ -61,6 +62,8 @@ class KVCacheManager:
         if h is not None:  # evict its cached content
             if self.cached.get(h) == block_id:
                 del self.cached[h]
+                if self.on_evict is not None:
+                    self.on_evict(block_id, h)
             self.block_hash[block_id] = None
         self.ref_cnt[block_id] = 1
         self.newly_allocated.append(block_id)

@@ -11,6 +11,7 @@ from longserve.engine.dp_scheduler import check_dp_rank, make_scheduler
 from longserve.engine.executor import Executor
 from longserve.engine.request import CompletionOutput, Request, RequestOutput
 from longserve.inputs import parse_prompt
+from longserve.kv_transfer.base import build_scheduler_connector
 from longserve.sampling_params import SamplingParams
 
 
@@ -29,10 +30,19 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config.model.path)
+        self.kv_store = None
+        if config.kv_transfer.kv_role is not None:  # before the workers: they connect to it
+            from longserve.kv_transfer.p2p import host_store
+            self.kv_store = host_store(config)
         self.executor = Executor(config)
         # with data parallelism: one KV cache manager per DP rank, a DPScheduler over them
         self.scheduler, self.kv_managers = make_scheduler(config, self.executor.num_blocks)
         self.kv = self.kv_managers[0]
+        self.kv_connector = None
+        if config.kv_transfer.kv_role is not None or config.kv_transfer.kv_offload_bytes:
+            self.kv_connector = build_scheduler_connector(
+                config, self.kv, self.executor.driver.runner.kv_bytes_per_block(), self.kv_store)
+            self.scheduler.connector = self.kv_connector  # dp == 1: one Scheduler
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------
@@ -56,8 +66,12 @@ class LLMEngine:
         ids, text = parse_prompt(prompt, self.encode)
         self.check_prompt(ids)
         self.check_params(params, len(ids))
-        return Request(str(next(self._ids)), ids, params, eos_token_ids=self.config.model.eos_token_ids,
-                       prompt=text, arrival=time.perf_counter(), data_parallel_rank=data_parallel_rank)
+        req = Request(str(next(self._ids)), ids, params, eos_token_ids=self.config.model.eos_token_ids,
+                      prompt=text, arrival=time.perf_counter(), data_parallel_rank=data_parallel_rank)
+        req.kv_transfer_params = (params.extra_args or {}).get("kv_transfer_params")
+        if req.kv_transfer_params is not None and self.kv_connector is not None:
+            self.kv_connector.validate_params(req)
+        return req
 
     def check_prompt(self, ids: list[int]) -> None:
         max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size
@@ -89,20 +103,39 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_kv_transfers(self) -> bool:
+        """A producer's held blocks or a consumer's loads: keep calling step() until False."""
+        return self.scheduler.has_kv_transfers()
+
+    def stats(self) -> dict:
+        s = dict(num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+                 num_cached_tokens_hit=self.kv.num_cached_tokens_hit,
+                 num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks)
+        for name in ("num_loaded_tokens", "num_saved_blocks"):
+            if hasattr(self.kv_connector, name):
+                s[f"kv_connector_{name}"] = getattr(self.kv_connector, name)
+        return s
+
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One scheduled step; returns the requests that finished in it."""
         out = self.scheduler.schedule()
-        if out.is_empty and not out.finished_req_ids:
+        transfers = self.scheduler.has_kv_transfers()
+        if out.is_empty and not out.finished_req_ids and not transfers:
             return self.scheduler.update_from_output(out, {})  # any finished while planning
+        if out.is_empty and transfers:
+            time.sleep(0.002)  # only polling the connectors: do not spin
         result = self.executor.execute(out)
+        failed = []
+        if result.kv_connector_output is not None:
+            failed = self.scheduler.update_kv_transfers(result.kv_connector_output)
         now = time.perf_counter()
         for req_id in result.sampled:
             req = self.scheduler.requests.get(req_id)
             if req is not None and req.first_token_time is None:
                 req.first_token_time = now
         finished = self.scheduler.update_from_output(out, result.sampled, result.logprobs)
-        return finished + self._apply_stop_strings(result.sampled, finished)
+        return failed + finished + self._apply_stop_strings(result.sampled, finished)
 
     def _apply_stop_strings(self, sampled: dict[str, int], finished: list[Request]) -> list[Request]:
         """Stop strings, checked on the new text only; one completed by the last allowed token
@@ -141,7 +174,11 @@ class LLMEngine:
             outputs=[CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason,
                                       req.stop_reason, req.logprobs or None)],
             finished=req.is_finished,
-            metrics={"time_to_first_token": ttft, "num_preemptions": req.num_preemptions})
+            metrics={"time_to_first_token": ttft, "num_preemptions": req.num_preemptions},
+            kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
+            error=req.error)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.kv_connector is not None and hasattr(self.kv_connector, "close"):
+            self.kv_connector.close()

@@ -9,6 +9,7 @@ from longserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -37,6 +38,9 @@ class Request:
     output_text: str = ""
     detokenizer: object | None = None  # IncrementalDetokenizer, for stop strings
     data_parallel_rank: int | None = None  # pinned DP rank (None: the balancer chooses)
+    kv_transfer_params: dict | None = None  # in: from the client (a consumer loads); out: a producer's
+    num_external_tokens: int = 0  # tokens an asynchronous load brings
+    error: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -82,3 +86,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # what a producer returns for the consumer
+    error: str | None = None

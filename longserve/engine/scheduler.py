@@ -24,9 +24,13 @@ from longserve.step_plan import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, connector=None):
         self.config = config
         self.kv = kv_manager
+        self.connector = connector  # scheduler side of a KV connector (kv_transfer/base.py)
+        self.loading: dict[str, Request] = {}  # waiting for their KV from outside
+        self.held: dict[str, Request] = {}  # finished; a transfer may still read their blocks
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -50,7 +54,11 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def has_kv_transfers(self) -> bool:
+        """Blocks held for a transfer or loads in flight: the workers must keep stepping."""
+        return bool(self.loading or self.held or (self.connector and self.connector.has_pending()))
 
     # ---- planning -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -63,7 +71,17 @@ class Scheduler:
         self._finished_ids = []
         for req, n in sorted(plan, key=lambda p: not self._is_decode(*p)):  # decodes first
             out.requests.append(self._describe(req, n))
+            self.num_prompt_tokens_computed += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
+        if self.connector is not None:
+            self._attach_connector_meta(out)
         return out
+
+    def _attach_connector_meta(self, out: SchedulerOutput) -> None:
+        meta = self.connector.build_connector_meta(out)
+        out.kv_connector_metadata = meta
+        if meta is not None and meta.filled_block_ids:  # the connector initialises these itself
+            filled = set(meta.filled_block_ids)
+            out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
 
     @staticmethod
     def _is_decode(req: Request, n: int) -> bool:
@@ -112,7 +130,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
-            req.num_computed_tokens = num_computed
+            external, load_async = (0, False) if self.connector is None else \
+                self.connector.get_num_new_matched_tokens(req, num_computed)
+            if load_async:  # blocks now, tokens when the workers say the load is done
+                if not self._start_async_load(req, computed_blocks, num_computed, external):
+                    break
+                continue
+            req.num_computed_tokens = num_computed + external
             n = self._chunk_size(req, budget)
             if n == 0 or not self.kv.allocate_slots(req, n, computed_blocks):
                 req.num_computed_tokens = 0
@@ -120,6 +144,8 @@ class Scheduler:
                     self._finish_outgrown(req)
                     continue
                 break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, req.block_ids, external)
             self.kv.num_cached_tokens_hit += num_computed
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -131,6 +157,19 @@ class Scheduler:
         req.finish_reason = "length"
         self.finish_request(req.request_id)
         self._finished_in_schedule.append(req)
+    def _start_async_load(self, req: Request, computed_blocks: list[int], num_computed: int,
+                          external: int) -> bool:
+        req.num_computed_tokens = num_computed
+        if not self.kv.allocate_slots(req, external, computed_blocks):
+            req.num_computed_tokens = 0
+            return False
+        self.connector.update_state_after_alloc(req, req.block_ids, external)
+        self.kv.num_cached_tokens_hit += num_computed
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.num_external_tokens = external
+        self.loading[req.request_id] = req
+        return True
 
     def _describe(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -190,7 +229,8 @@ class Scheduler:
         return False
 
     def finish_request(self, req_id: str, reason: str | None = "abort") -> None:
-        """Finish (or abort) a request wherever it is and return its blocks to the pool."""
+        """Finish (or abort) a request wherever it is and return its blocks to the pool (or
+        keep them for a transfer that may read them: the connector's `request_finished`)."""
         req = self.requests.pop(req_id, None)
         if req is None:
             return
@@ -198,8 +238,53 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
         if self._num_blocks_sent.pop(req_id, None) is not None:
             self._finished_ids.append(req_id)
+        if req_id in self.loading:
+            return  # a load is writing its blocks: they are freed when it reports done
+        delay = False
+        if self.connector is not None:
+            delay, req.kv_transfer_params = self.connector.request_finished(req, req.block_ids)
+        if delay:
+            self.held[req_id] = req
+        else:
+            self.kv.free(req)
+
+    # ---- KV transfers -----------------------------------------------------------------
+    def update_kv_transfers(self, kv_out) -> list[Request]:
+        """Apply the workers' united connector report; returns requests that failed for good."""
+        for req_id in kv_out.finished_sending:
+            req = self.held.pop(req_id, None)
+            if req is not None:
+                self.kv.free(req)
+        failed = []
+        for req_id in kv_out.finished_recving:
+            req = self.loading.pop(req_id, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.FINISHED:  # aborted while loading
+                self.kv.free(req)
+            elif kv_out.invalid_block_ids.intersection(req.block_ids):
+                failed += self._load_failed(req)
+            else:  # the loaded tokens are computed; the rest is computed as usual
+                req.num_computed_tokens += req.num_external_tokens
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_out)
+        return failed
+
+    def _load_failed(self, req: Request) -> list[Request]:
+        """Never decode from partly received KV: recompute the prompt, or fail the request."""
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        if getattr(self.connector, "failure_policy", "recompute") == "fail":
+            req.status = RequestStatus.FINISHED
+            req.finish_reason, req.error = "error", f"loading the KV of request {req.request_id} failed"
+            self.requests.pop(req.request_id, None)
+            return [req]
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        return []

@@ -160,7 +160,8 @@ def copy_kv_blocks(src_kv_caches: dict[str, torch.Tensor], dst_kv_caches: dict[s
     for name, src in src_kv_caches.items():
         dst = dst_kv_caches[name]
         blocks = src[:, s0:s0 + n] if src_run else src.index_select(1, src_idx)
-        if dst_run:
-            dst[:, d0:d0 + n].copy_(blocks, non_blocking=True)
+        if dst_run:  # K and V: each one contiguous copy
+            for i in range(dst.shape[0]):
+                dst[i, d0:d0 + n].copy_(blocks[i], non_blocking=True)
         else:
             dst.index_copy_(1, dst_idx, blocks.to(dst.device))  # blocking: read right after

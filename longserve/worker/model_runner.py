@@ -10,6 +10,8 @@ from longserve.attention.backends import TorchAttentionBackend, TritonAttentionB
 from longserve.attention.metadata import AttentionMetadata, PagedPart
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import ParallelState
+from longserve.kv_transfer.base import build_worker_connector, connector_output
+from longserve.kv_transfer.utils import KVConnectorOutput
 from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.models.loader import build_model
 from longserve.sampling_params import SamplingParams
@@ -34,6 +36,7 @@ class RunnerRequest:
 class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]]
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 def choose_backend(config: EngineConfig, device: torch.device):
@@ -71,11 +74,13 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.zeroer = KVBlockZeroer(device)
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_cache_dict: dict[str, torch.Tensor] = {}
         self.graphs: dict[int, tuple] = {}
         # expert layers shared by DP ranks (or split into micro-batches): every step's shape
         # is agreed on with the other DP ranks (worker/dp_step.py)
         self.coordinated = config.model.is_moe and (par.data_parallel_size > 1 or par.enable_dbo)
         self.num_dbo_steps = 0  # steps run as two micro-batches
+        self.kv_connector = build_worker_connector(config, ps, device)  # None without KV transfer
 
     # ---- KV cache -----------------------------------------------------------------------
     def _kv_cache_groups(self) -> tuple[KVCacheConfig, list[list[AttentionGroup]], set[str]]:
@@ -112,6 +117,7 @@ class ModelRunner:
             if a.kv_sharing_target is not None:
                 caches[name] = caches[f"model.layers.{a.kv_sharing_target}.self_attn.attn"]
         bind_kv_cache(caches, self.layers, self.kv_caches)
+        self.kv_cache_dict = caches
         self.zeroer.init_meta(attn_groups[0], [self.kernel_block_size], "auto", runner_only,
                               self.layers)
 
@@ -138,6 +144,17 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, profile: bool = False,
                 dp_lockstep: bool = False) -> ModelRunnerOutput | None:
         """dp_lockstep: another DP rank runs a step that this rank must join (expert layers)."""
+        kv = None if profile else self.kv_connector
+        if kv is not None:  # before new blocks are zeroed: offload saves evicted blocks first
+            kv.start_load_kv(out.kv_connector_metadata)
+        result = self._execute(out, profile, dp_lockstep)
+        if kv is not None:
+            kv.wait_for_save()
+            result = result or ModelRunnerOutput({}, {})
+            result.kv_connector_output = connector_output(kv, out.finished_req_ids)
+        return result
+
+    def _execute(self, out: SchedulerOutput, profile: bool, dp_lockstep: bool) -> ModelRunnerOutput | None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         if out.new_block_ids and not profile:

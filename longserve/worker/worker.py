@@ -115,6 +115,8 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.register_kv_caches(self.runner.kv_cache_dict)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_cudagraphs()
 
@@ -126,6 +128,8 @@ class Worker:
     def close(self) -> None:
         """Drop the model, KV cache and graphs so the device memory is free for the next engine,
         and the process groups (they hold the rendezvous store and its port)."""
+        if self.runner is not None and hasattr(self.runner.kv_connector, "close"):
+            self.runner.kv_connector.close()
         self.runner = self.ps = None
         gc.collect()
         if self.device.type == "cuda":
@@ -157,4 +161,6 @@ def run_worker_loop(worker: Worker, progress=None) -> None:
             progress[worker.rank] += 1
         if out == SHUTDOWN:
             return
-        worker.execute(out)
+        result = worker.execute(out)
+        if worker.runner.kv_connector is not None:  # the driver unites the connectors' reports
+            worker.ps.model.gather_object(result)
