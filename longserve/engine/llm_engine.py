@@ -68,8 +68,14 @@ class LLMEngine:
         self.check_params(params, len(ids))
         req = Request(str(next(self._ids)), ids, params, eos_token_ids=self.config.model.eos_token_ids,
                       prompt=text, arrival=time.perf_counter(), data_parallel_rank=data_parallel_rank)
-        req.kv_transfer_params = (params.extra_args or {}).get("kv_transfer_params")
-        if req.kv_transfer_params is not None and self.kv_connector is not None:
+        kv_params = (params.extra_args or {}).get("kv_transfer_params")
+        if kv_params is not None and not isinstance(kv_params, dict):
+            raise ValueError(f"kv_transfer_params must be a dict, got {type(kv_params).__name__}")
+        req.kv_transfer_params = dict(kv_params) if kv_params else None  # the engine marks it used
+        if req.kv_transfer_params is not None:
+            if not hasattr(self.kv_connector, "validate_params"):
+                raise ValueError("kv_transfer_params need an instance started with a kv_role "
+                                 "(kv_transfer_config={'kv_role': 'kv_consumer'})")
             self.kv_connector.validate_params(req)
         return req
 

@@ -147,6 +147,8 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
         worker = Worker(config, rank, init_method, local_rank)
         worker.init_cache(worker.determine_num_blocks())
         run_worker_loop(worker, progress)
+        if worker.runner.kv_connector is not None:
+            worker.runner.kv_connector.close()  # its threads end before the process does
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()

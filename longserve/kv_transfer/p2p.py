@@ -1,0 +1,399 @@
+"""Prefill/decode disaggregation: a producer instance computes the prompt and keeps its
+blocks under a lease; a consumer instance pulls the KV it needs and decodes.
+
+Producer (kv_role kv_producer): `request_finished` keeps a finished request's blocks (held
+by the scheduler) and returns transfer params (engine id, store address, block ids, KV
+layout). Each producer rank serves pulls from a thread: it packs the pieces a consumer rank
+asks for (only while the request is held and its lease runs) and sends them over the pair's
+process group. A held request is let go when the consumer writes its release key or the
+lease ends, and never while a pull is reading it; the workers report it finished sending and
+the scheduler frees its blocks.
+
+Consumer (kv_role kv_consumer): a request with kv_transfer_params {"do_remote_prefill": true,
+...} loads prompt positions [local prefix hit, prompt length - 1) asynchronously (the last
+prompt token is computed here: its logits give the first token). Each consumer rank pulls
+its pieces (topology.plan_kv_pieces) in a thread; any failure marks the request's blocks
+invalid, and the scheduler recomputes the prompt (or fails the request, by policy). After
+the load (or on a full local hit) the consumer writes the producer's release key.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from longserve.kv_transfer.topology import KVLayout, plan_kv_pieces
+from longserve.kv_transfer.transfer import PieceRange, pack_piece, payload_shape, unpack_piece
+from longserve.kv_transfer.transport import (PairGroups, connect_store, post_pull, queue_key,
+                                             release_key, td, wait_key, wait_reply)
+
+log = logging.getLogger(__name__)
+PARAM_KEYS = ("do_remote_prefill", "remote_engine_id", "remote_host", "remote_port",
+              "remote_request_id", "remote_block_ids", "remote_layout", "num_prompt_tokens",
+              "prompt_hash", "num_layers", "head_dim")
+
+
+def layout_of(config) -> KVLayout:
+    p = config.parallel
+    return KVLayout(config.model.num_kv_heads, config.cache.block_size, p.tensor_parallel_size,
+                    p.prefill_context_parallel_size, p.decode_context_parallel_size,
+                    p.cp_kv_cache_interleave_size, config.kv_transfer.kv_buffer_layout)
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    return hashlib.sha1(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()
+
+
+def host_store(config):
+    """A producer's TCP store (control messages), hosted by its engine process; picks the
+    port and engine id into the config before the workers copy it."""
+    import torch.distributed as dist
+    kvt = config.kv_transfer
+    kvt.engine_id = kvt.engine_id or uuid.uuid4().hex[:12]
+    if kvt.kv_role not in ("kv_producer", "kv_both"):
+        return None
+    store = dist.TCPStore(kvt.kv_ip, kvt.kv_port, is_master=True, wait_for_workers=False,
+                          timeout=td(kvt.kv_transfer_timeout_s))
+    kvt.kv_port = store.port
+    return store
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    params: dict
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass
+class P2pMeta:
+    loads: list[LoadSpec] = field(default_factory=list)
+    new_holds: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id -> blocks, deadline
+    tokens_per_block: int = 1
+
+    @property
+    def filled_block_ids(self) -> list[int]:
+        return [b for s in self.loads for b in s.block_ids[s.start // self.tokens_per_block:]]
+
+
+class P2pConnectorScheduler:
+    def __init__(self, config, kv_manager, store):
+        kvt = config.kv_transfer
+        self.config, self.kvt, self.store = config, kvt, store
+        self.produces = kvt.kv_role in ("kv_producer", "kv_both")
+        self.consumes = kvt.kv_role in ("kv_consumer", "kv_both")
+        self.failure_policy = kvt.kv_load_failure_policy
+        self.layout, self.tokens_per_block = layout_of(config), kv_manager.tokens_per_block
+        self.meta = P2pMeta(tokens_per_block=self.tokens_per_block)
+        self.held: dict[str, float] = {}  # producer: request id -> lease deadline
+        self.loading: dict[str, dict] = {}  # consumer: request id -> the producer's params
+        self._stores: dict[tuple[str, int], object] = {}
+        self.num_loaded_tokens = 0
+
+    def validate_params(self, req) -> None:
+        """At the door: a consumer's params must come from a producer of this model and prompt."""
+        p = req.kv_transfer_params
+        if not isinstance(p, dict) or not p.get("do_remote_prefill"):
+            return
+        if not self.consumes:
+            raise ValueError(f"kv_transfer_params with do_remote_prefill need kv_role kv_consumer "
+                             f"or kv_both; this instance is {self.kvt.kv_role}")
+        missing = [k for k in PARAM_KEYS if k not in p]
+        if missing:
+            raise ValueError(f"kv_transfer_params lacks {missing}")
+        if p["prompt_hash"] != prompt_hash(req.prompt_token_ids):
+            raise ValueError("kv_transfer_params were made for a different prompt")
+        remote = KVLayout(**p["remote_layout"])
+        if (remote.num_kv_heads, p["num_layers"], p["head_dim"]) != \
+                (self.layout.num_kv_heads, self.config.model.num_layers, self.config.model.head_dim):
+            raise ValueError("kv_transfer_params come from an instance of a different model shape")
+
+    # ---- consumer --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        p = request.kv_transfer_params
+        if not (self.consumes and isinstance(p, dict) and p.get("do_remote_prefill")):
+            return 0, False
+        external = max(0, p["num_prompt_tokens"] - 1 - num_computed_tokens)
+        if external == 0:  # a full local hit: nothing to pull, but the producer may let go
+            p["do_remote_prefill"] = False
+            self._release(p)
+        return external, external > 0
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        p = request.kv_transfer_params
+        p["do_remote_prefill"] = False  # one attempt: a failed load recomputes
+        start = request.num_computed_tokens
+        self.meta.loads.append(LoadSpec(request.request_id, dict(p), list(block_ids), start,
+                                        start + num_external_tokens))
+        self.loading[request.request_id] = p
+        self.num_loaded_tokens += num_external_tokens
+
+    def _release(self, p: dict) -> None:
+        """Tell the producer it may free the request's blocks (best effort: a dead producer's
+        blocks are gone anyway)."""
+        addr = (p["remote_host"], int(p["remote_port"]))
+        try:
+            if addr not in self._stores:
+                self._stores[addr] = connect_store(*addr, timeout_s=2.0)
+            self._stores[addr].set(release_key(p["remote_engine_id"], p["remote_request_id"]), "1")
+        except Exception as e:  # noqa: BLE001
+            self._stores.pop(addr, None)
+            log.warning("could not release request %s on %s: %s", p["remote_request_id"], addr, e)
+
+    # ---- producer --------------------------------------------------------------------------
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        mine = request.kv_transfer_params
+        wanted = not isinstance(mine, dict) or mine.get("do_remote_decode", True)
+        if not self.produces or request.finish_reason == "abort" or not wanted or not block_ids:
+            return False, None
+        deadline = time.time() + self.kvt.kv_lease_s
+        self.held[request.request_id] = deadline
+        self.meta.new_holds[request.request_id] = (list(block_ids), deadline)
+        return True, dict(
+            do_remote_prefill=True, remote_engine_id=self.kvt.engine_id,
+            remote_host=self.kvt.kv_ip, remote_port=self.kvt.kv_port,
+            remote_request_id=request.request_id, remote_block_ids=list(block_ids),
+            remote_layout=asdict(self.layout), num_prompt_tokens=request.num_prompt_tokens,
+            prompt_hash=prompt_hash(request.prompt_token_ids), num_layers=self.config.model.num_layers,
+            head_dim=self.config.model.head_dim, lease_deadline=deadline)
+
+    # ---- both ----------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> P2pMeta | None:
+        meta, self.meta = self.meta, P2pMeta(tokens_per_block=self.tokens_per_block)
+        return meta if meta.loads or meta.new_holds else None
+
+    def update_connector_output(self, kv_out) -> None:
+        for req_id in kv_out.finished_recving:
+            p = self.loading.pop(req_id, None)
+            if p is not None:
+                self._release(p)
+        for req_id in kv_out.finished_sending:
+            if self.held.pop(req_id, None) is not None and self.store is not None:
+                self.store.delete_key(release_key(self.kvt.engine_id, req_id))
+
+    def has_pending(self) -> bool:
+        return bool(self.held)
+
+    def close(self) -> None:
+        self._stores.clear()
+
+
+@dataclass
+class Held:
+    block_ids: list[int]
+    deadline: float
+    readers: int = 0  # pulls reading its blocks now
+
+
+class P2pConnectorWorker:
+    def __init__(self, config, ps, device: torch.device):
+        kvt = config.kv_transfer
+        self.config, self.kvt, self.device = config, kvt, device
+        self.rank = ps.model.rank_in_group
+        self.layout = layout_of(config)
+        self.groups = PairGroups(device, kvt.kv_transfer_timeout_s)
+        self.caches: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+        self.held: dict[str, Held] = {}
+        self.done: dict[str, bool] = {}  # consumer: request id -> load succeeded
+        self.failed_blocks: set[int] = set()
+        self.stores: dict[tuple[str, int], object] = {}
+        self.epochs: dict[str, int] = defaultdict(int)
+        self.stopping = threading.Event()
+        self.store, self.server = None, None
+        if kvt.kv_role in ("kv_producer", "kv_both"):
+            self.store = connect_store(kvt.kv_ip, kvt.kv_port, kvt.kv_transfer_timeout_s)
+            self.server = threading.Thread(target=self._serve_loop, daemon=True)
+            self.server.start()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        seen = set()
+        for cache in kv_caches.values():  # layer order; a shared cache is moved once
+            if cache.data_ptr() not in seen:
+                seen.add(cache.data_ptr())
+                self.caches.append(cache)
+
+    # ---- worker API --------------------------------------------------------------------
+    def start_load_kv(self, meta: P2pMeta | None) -> None:
+        if meta is None:
+            return
+        with self.lock:
+            for req_id, (blocks, deadline) in meta.new_holds.items():
+                self.held[req_id] = Held(blocks, deadline)
+        for spec in meta.loads:
+            self._zero_blocks(spec.block_ids[spec.start // self.layout.tokens_per_block:])
+            threading.Thread(target=self._load, args=(spec,), daemon=True).start()
+
+    def wait_for_save(self) -> None:
+        pass  # a producer's blocks are read on demand, while the scheduler holds them
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        with self.lock:
+            recving = set(self.done)
+            self.done.clear()
+            sending = {r for r, h in self.held.items() if h.readers == 0 and self._let_go(r, h)}
+            for r in sending:
+                del self.held[r]
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self.lock:
+            blocks, self.failed_blocks = self.failed_blocks, set()
+        return blocks
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self.server is not None:
+            self.server.join(timeout=self.kvt.kv_transfer_timeout_s + 5)
+
+    # ---- producer ------------------------------------------------------------------------
+    def _let_go(self, req_id: str, h: Held) -> bool:
+        if time.time() >= h.deadline:
+            return True
+        try:
+            return self.store.check([release_key(self.kvt.engine_id, req_id)])
+        except Exception:  # noqa: BLE001 - our own store is gone: the engine is shutting down
+            return True
+
+    def _serve_loop(self) -> None:
+        seq, queue = 0, queue_key(self.kvt.engine_id, self.rank)
+        while not self.stopping.is_set():
+            key = f"{queue}/{seq}"
+            try:
+                arrived = wait_key(self.store, key, 0.5)
+            except Exception:  # noqa: BLE001 - the store is gone: the engine is shutting down
+                return
+            if not arrived:  # nothing yet (or a poster died between add and set)
+                if self._skip_lost_message(queue, seq):
+                    seq += 1
+                continue
+            msg = pickle.loads(self.store.get(key))
+            self.store.delete_key(key)
+            seq += 1
+            try:
+                self._serve(msg)
+            except Exception as e:  # noqa: BLE001 - the consumer side failed: it recomputes
+                log.warning("serving a KV pull of request %s failed: %s", msg.get("req_id"), e)
+                self.groups.drop(msg["pair"])
+
+    def _skip_lost_message(self, queue: str, seq: int) -> bool:
+        try:
+            return self.store.add(queue, 0) > seq + 1  # later messages exist: this one never came
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _serve(self, msg: dict) -> None:
+        with self.lock:
+            h = self.held.get(msg["req_id"])
+            ok = h is not None and time.time() < h.deadline
+            if ok:
+                h.readers += 1
+        if not ok:
+            self.store.set(msg["reply_key"], "gone: the producer no longer holds the request's KV")
+            return
+        try:
+            self.store.set(msg["reply_key"], "ok")
+            group = self.groups.get(self.store, msg["pair"], 0)
+            rng = PieceRange(msg["start"], msg["end"], tuple(h.block_ids), ())
+            receiver = KVLayout(**msg["receiver"])
+            chunks = _layer_chunks(len(self.caches), msg["layers_per_chunk"])
+            for i, (piece, layers) in enumerate((p, c) for p in msg["pieces"] for c in chunks):
+                payload = pack_piece(self.caches[layers], piece, self.layout, receiver, rng)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # gathered: blocks free to go
+                self.groups.send(group, i, payload)
+                _inject_fault(self.groups, msg["pair"])
+        finally:
+            with self.lock:
+                h.readers -= 1
+
+    # ---- consumer ------------------------------------------------------------------------
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for c in self.caches:
+            c.view(2, -1, self.layout.block_size, *c.shape[-2:]).index_fill_(1, idx, 0)
+
+    def _load(self, spec: LoadSpec) -> None:
+        ok = False
+        try:
+            self._pull_all(spec)
+            ok = True
+        except Exception as e:  # noqa: BLE001 - any failure: the request is recomputed
+            log.warning("loading the KV of request %s failed: %s", spec.req_id, e)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        with self.lock:
+            self.done[spec.req_id] = ok
+            if not ok:
+                self.failed_blocks.update(spec.block_ids[spec.start // self.layout.tokens_per_block:])
+
+    def _pull_all(self, spec: LoadSpec) -> None:
+        p = spec.params
+        remote = KVLayout(**p["remote_layout"])
+        addr = (p["remote_host"], int(p["remote_port"]))
+        if addr not in self.stores:
+            self.stores[addr] = connect_store(*addr, timeout_s=self.kvt.kv_transfer_timeout_s)
+        store = self.stores[addr]
+        pieces = plan_kv_pieces(self.layout, remote, self.rank)
+        by_rank = defaultdict(list)
+        for piece in pieces:
+            by_rank[piece.remote_rank].append(piece)
+        rng = PieceRange(spec.start, spec.end, tuple(p["remote_block_ids"]), tuple(spec.block_ids))
+        for remote_rank, mine in sorted(by_rank.items()):
+            self._pull(store, p, remote_rank, mine, remote, rng)
+
+    def _pull(self, store, p: dict, remote_rank: int, pieces: list, remote: KVLayout,
+              rng: PieceRange) -> None:
+        engine = p["remote_engine_id"]
+        pair_id = f"{engine}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
+        pair = f"{pair_id}/{self.epochs[pair_id]}"
+        chunk = max(1, len(self.caches) // 4)
+        reply_key = post_pull(store, engine, remote_rank, dict(
+            req_id=p["remote_request_id"], pair=pair, pieces=pieces, start=rng.start, end=rng.end,
+            receiver=asdict(self.layout), layers_per_chunk=chunk))
+        reply = wait_reply(store, reply_key, self.kvt.kv_transfer_timeout_s)
+        if reply != "ok":
+            raise RuntimeError(reply)
+        try:
+            group = self.groups.get(store, pair, 1)
+            head_dim, dtype = self.caches[0].shape[-1], self.caches[0].dtype
+            tag = 0
+            for piece in pieces:
+                for layers in _layer_chunks(len(self.caches), chunk):
+                    shape = payload_shape(piece, remote, self.layout, rng, layers.stop - layers.start, head_dim)
+                    buf = torch.empty(shape, dtype=dtype, device=self.device)
+                    self.groups.recv(group, tag, buf)
+                    tag += 1
+                    unpack_piece(self.caches[layers], piece, remote, self.layout, rng, buf)
+        except Exception:
+            self.groups.drop(pair)
+            self.epochs[pair_id] += 1
+            raise
+
+
+def _inject_fault(groups: PairGroups, pair: str) -> None:
+    """Test hook (LONGSERVE_TEST_KV_FAULT): after the first payload, die ("die") or close the
+    pair's connection ("drop")."""
+    fault = os.environ.get("LONGSERVE_TEST_KV_FAULT")
+    if fault == "die":
+        os._exit(9)
+    if fault == "drop":
+        groups.drop(pair)
+        raise ConnectionError("test: the pair's connection was dropped")
+
+
+def _layer_chunks(num_layers: int, per_chunk: int) -> list[slice]:
+    return [slice(i, min(i + per_chunk, num_layers)) for i in range(0, num_layers, per_chunk)]

@@ -1,0 +1,76 @@
+"""A producer engine in its own process, driven over a pipe (engine-level disaggregation tests)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+from longserve import LLM, SamplingParams
+
+MODEL = "builtin:llama-tiny"
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _producer_main(conn, kw):
+    import torch
+    torch.set_num_threads(1)
+    llm = LLM(MODEL, device="cpu", max_model_len=256, **kw)
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            if conn.poll(0.005):
+                cmd, arg = conn.recv()
+                if cmd == "stop":
+                    break
+                conn.send(_handle(llm, cmd, arg))
+            elif llm.engine.has_kv_transfers():
+                llm.engine.step()  # serve pulls, let leases run out
+    finally:
+        llm.shutdown()
+
+
+def _handle(llm, cmd, arg):
+    if cmd == "prefill":
+        out = llm.generate([arg], greedy(1), use_tqdm=False)[0]
+        return out.kv_transfer_params
+    if cmd == "pool":  # (free blocks, all blocks, held requests)
+        kv = llm.engine.kv
+        return kv.num_free_blocks, kv.num_blocks, len(llm.engine.scheduler.held)
+    raise ValueError(cmd)
+
+
+class Producer:
+    def __init__(self, timeout=120, **kw):
+        self.conn, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_producer_main, args=(child, kw))  # not a daemon: it spawns its own workers
+        self.proc.start()
+        self.timeout = timeout
+        tag, self.pid = self._recv()
+        assert tag == "ready"
+
+    def _recv(self):
+        deadline = time.monotonic() + self.timeout
+        while not self.conn.poll(0.05):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the producer died (exit code {self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the producer did not answer")
+        return self.conn.recv()
+
+    def call(self, cmd, arg=None):
+        self.conn.send((cmd, arg))
+        return self._recv()
+
+    def close(self):
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop", None))
+            except OSError:
+                pass
+            self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
