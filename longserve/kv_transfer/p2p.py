@@ -310,15 +310,16 @@ class P2pConnectorWorker:
             rng = PieceRange(msg["start"], msg["end"], tuple(h.block_ids), ())
             receiver = KVLayout(**msg["receiver"])
             chunks = _layer_chunks(len(self.caches), msg["layers_per_chunk"])
-            for i, (piece, layers) in enumerate((p, c) for p in msg["pieces"] for c in chunks):
-                payload = pack_piece(self.caches[layers], piece, self.layout, receiver, rng)
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()  # gathered: blocks free to go
-                self.groups.send(group, i, payload)
-                _inject_fault(self.groups, msg["pair"])
+            self.groups.send_all(group, self._payloads(msg, rng, receiver, chunks))
         finally:
             with self.lock:
                 h.readers -= 1
+
+    def _payloads(self, msg: dict, rng: PieceRange, receiver: KVLayout, chunks: list):
+        for i, (piece, layers) in enumerate((p, c) for p in msg["pieces"] for c in chunks):
+            yield pack_piece(self.caches[layers], piece, self.layout, receiver, rng)
+            if i == 0:
+                _inject_fault(self.groups, msg["pair"])
 
     # ---- consumer ------------------------------------------------------------------------
     def _zero_blocks(self, block_ids: list[int]) -> None:
@@ -370,14 +371,17 @@ class P2pConnectorWorker:
         try:
             group = self.groups.get(store, pair, 1)
             head_dim, dtype = self.caches[0].shape[-1], self.caches[0].dtype
-            tag = 0
-            for piece in pieces:
-                for layers in _layer_chunks(len(self.caches), chunk):
-                    shape = payload_shape(piece, remote, self.layout, rng, layers.stop - layers.start, head_dim)
-                    buf = torch.empty(shape, dtype=dtype, device=self.device)
-                    self.groups.recv(group, tag, buf)
-                    tag += 1
-                    unpack_piece(self.caches[layers], piece, remote, self.layout, rng, buf)
+            parts = [(piece, layers) for piece in pieces
+                     for layers in _layer_chunks(len(self.caches), chunk)]
+
+            def buffer(piece, layers):
+                shape = payload_shape(piece, remote, self.layout, rng, layers.stop - layers.start, head_dim)
+                return lambda: torch.empty(shape, dtype=dtype, device=self.device)
+
+            def consume(i, buf):
+                piece, layers = parts[i]
+                unpack_piece(self.caches[layers], piece, remote, self.layout, rng, buf)
+            self.groups.recv_all(group, [buffer(*part) for part in parts], consume)
         except Exception:
             self.groups.drop(pair)
             self.epochs[pair_id] += 1

@@ -62,19 +62,28 @@ def pack_piece(kv_caches: list[torch.Tensor], piece: KVPiece, sender: KVLayout,
                receiver: KVLayout, rng: PieceRange) -> torch.Tensor:
     """The payload the sender (remote_rank of the piece) sends for it."""
     heads = slice(piece.remote_head, piece.remote_head + piece.num_heads)
+    dev = kv_caches[0].device
     if uses_block_wire(piece, receiver, sender, rng):
         idx, _ = _block_spans(receiver, sender, rng)
-        ids = torch.tensor([rng.sender_blocks[i] if i >= 0 else 0 for i in idx], dtype=torch.long,
-                           device=kv_caches[0].device)
-        layers = [_block_view(c, sender.block_size).index_select(1, ids)[..., heads, :] for c in kv_caches]
-        out = torch.stack(layers)  # [L, 2, m, B, h, D]
-        out[:, :, torch.tensor([i < 0 for i in idx], device=out.device)] = 0  # padding blocks
+        ids = torch.tensor([rng.sender_blocks[i] if i >= 0 else 0 for i in idx], dtype=torch.long, device=dev)
+        views = [_block_view(c, sender.block_size)[:, :, :, heads] for c in kv_caches]
+        out = _gather(views, ids)  # [L, 2, m, B, h, D]
+        if min(idx) < 0:  # padding blocks past the sender's last one
+            out[:, :, torch.tensor([i < 0 for i in idx], device=dev)] = 0
         return out.transpose(3, 4).contiguous() if sender.cache_layout == HND else out
     pos = piece.positions(receiver, sender, rng.start, rng.end)
-    slots = torch.from_numpy(slots_of(sender, piece.remote_cp_rank, rng.sender_blocks, pos))
-    slots = slots.to(kv_caches[0].device)
-    return torch.stack([c.view(2, -1, *c.shape[-2:]).index_select(1, slots)[..., heads, :]
-                        for c in kv_caches])  # [L, 2, n, h, D]
+    slots = torch.from_numpy(slots_of(sender, piece.remote_cp_rank, rng.sender_blocks, pos)).to(dev)
+    return _gather([c.view(2, -1, *c.shape[-2:])[:, :, heads] for c in kv_caches], slots)  # [L, 2, n, h, D]
+
+
+def _gather(views: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """Stack views[l].index_select(1, idx) over layers, each gathered straight into place."""
+    first = views[0]
+    out = torch.empty((len(views), first.shape[0], len(idx), *first.shape[2:]), dtype=first.dtype,
+                      device=first.device)
+    for layer, v in enumerate(views):
+        torch.index_select(v, 1, idx, out=out[layer])
+    return out
 
 
 def payload_shape(piece: KVPiece, sender: KVLayout, receiver: KVLayout, rng: PieceRange,
@@ -100,13 +109,13 @@ def unpack_piece(kv_caches: list[torch.Tensor], piece: KVPiece, sender: KVLayout
                            device=kv_caches[0].device)
         staged = _land_blocks(payload, receiver.block_size, sender)  # [L, 2, n, B_local, h, D]
         for layer, c in enumerate(kv_caches):
-            _block_view(c, receiver.block_size)[:, ids, :, heads] = staged[layer]
+            _block_view(c, receiver.block_size)[:, :, :, heads].index_copy_(1, ids, staged[layer])
         return
     pos = piece.positions(receiver, sender, rng.start, rng.end)
     slots = torch.from_numpy(slots_of(receiver, piece.local_cp_rank, rng.receiver_blocks, pos))
     slots = slots.to(kv_caches[0].device)
     for layer, c in enumerate(kv_caches):
-        c.view(2, -1, *c.shape[-2:])[:, slots, heads] = payload[layer]
+        c.view(2, -1, *c.shape[-2:])[:, :, heads].index_copy_(1, slots, payload[layer])
 
 
 def _land_blocks(payload: torch.Tensor, local_block_size: int, sender: KVLayout) -> torch.Tensor:

@@ -50,11 +50,30 @@ class PairGroups:
     def drop(self, key: str) -> None:
         self.groups.pop(key, None)
 
-    def send(self, group, tag: int, t: torch.Tensor) -> None:
-        group.send([t.contiguous()], 1, tag).wait(td(self.timeout_s))
+    def send_all(self, group, payloads) -> None:
+        """Send the payloads (an iterator that makes each when asked) with tags 0, 1, ...:
+        payload i+1 is packed while payload i is on the wire."""
+        pending = None
+        for tag, t in enumerate(payloads):
+            work = (group.send([t], 1, tag), t)  # keep t alive until its send is done
+            if pending is not None:
+                pending[0].wait(td(self.timeout_s))
+            pending = work
+        if pending is not None:
+            pending[0].wait(td(self.timeout_s))
 
-    def recv(self, group, tag: int, buf: torch.Tensor) -> None:
-        group.recv([buf], 0, tag).wait(td(self.timeout_s))
+    def recv_all(self, group, buffers: list, consume) -> None:
+        """Receive into buffers[i] (a callable that allocates it) with tag i, then
+        consume(i, buf); the receive of i+1 is posted before i is consumed."""
+        def post(i):
+            buf = buffers[i]()
+            return group.recv([buf], 0, i), buf
+        pending = post(0) if buffers else None
+        for i in range(len(buffers)):
+            work, buf = pending
+            pending = post(i + 1) if i + 1 < len(buffers) else None
+            work.wait(td(self.timeout_s))
+            consume(i, buf)
 
 
 # ---- control messages over the store ---------------------------------------------------------

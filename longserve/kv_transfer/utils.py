@@ -144,8 +144,8 @@ def copy_kv_blocks(src_kv_caches: dict[str, torch.Tensor], dst_kv_caches: dict[s
                    direction: Literal["h2d", "d2h"]) -> None:
     """Copy blocks src_block_ids[i] -> dst_block_ids[i] of every layer (dim 1 is the block).
 
-    One transfer per layer: the source blocks are gathered on their own side (a slice when
-    they are a contiguous run), moved in one copy (non-blocking from/to pinned memory; the
+    One transfer per layer and K/V: the source blocks are gathered on their own side (a slice
+    when they are a contiguous run), moved in one copy (non-blocking from/to pinned memory; the
     caller orders it with its stream) and scattered (a slice copy when contiguous)."""
     if direction not in ("h2d", "d2h"):
         raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
@@ -157,11 +157,12 @@ def copy_kv_blocks(src_kv_caches: dict[str, torch.Tensor], dst_kv_caches: dict[s
                                                  first_src.device, first_dst.device)
     src_run, dst_run = _contiguous_run(src_block_ids), _contiguous_run(dst_block_ids)
     s0, d0, n = src_block_ids[0], dst_block_ids[0], len(src_block_ids)
+    to_device = first_dst.device.type != "cpu"  # h2d may be asynchronous; d2h is read at once
     for name, src in src_kv_caches.items():
         dst = dst_kv_caches[name]
-        blocks = src[:, s0:s0 + n] if src_run else src.index_select(1, src_idx)
-        if dst_run:  # K and V: each one contiguous copy
-            for i in range(dst.shape[0]):
-                dst[i, d0:d0 + n].copy_(blocks[i], non_blocking=True)
-        else:
-            dst.index_copy_(1, dst_idx, blocks.to(dst.device))  # blocking: read right after
+        for i in range(src.shape[0]):  # K and V: each one contiguous copy
+            part = src[i, s0:s0 + n] if src_run else src[i].index_select(0, src_idx)
+            if dst_run:
+                dst[i, d0:d0 + n].copy_(part, non_blocking=True)
+            else:
+                dst[i].index_copy_(0, dst_idx, part.to(dst.device, non_blocking=to_device))
