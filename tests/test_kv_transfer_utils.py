@@ -1,5 +1,6 @@
 """The KV-transfer seed units: hand-worked examples and property tests."""
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -265,3 +266,12 @@ def test_shard_move_reassemble_is_bit_exact(data):
                     assert torch.equal(got, kv[layer][:, p, first:first + count]), (p, r, layer)
                 else:
                     assert got.abs().sum() == 0  # a prefix hit: never overwritten
+
+
+@pytest.mark.parametrize("heads, tp, dcp", [(8, 4, 1), (2, 4, 1), (1, 4, 2), (4, 4, 2), (2, 8, 2), (8, 1, 1)])
+def test_head_placement_is_the_models(heads, tp, dcp):
+    from longserve.kv_transfer.topology import kv_heads_of_rank
+    from longserve.models.layers import kv_head_range
+    for r in range(tp):
+        group = SimpleNamespace(world_size=tp, rank_in_group=r)
+        assert kv_heads_of_rank(heads, tp, r, dcp) == kv_head_range(heads, group, dcp)

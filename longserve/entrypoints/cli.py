@@ -37,6 +37,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dual-batch overlap: split large MoE steps into two micro-batches")
     p.add_argument("--dbo-decode-token-threshold", type=int, default=32)
     p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
+    p.add_argument("--kv-offload-gb", type=float, default=0.0,
+                   help="host pool (GiB, pinned on CUDA) for prefix-cache blocks evicted from the device")
+    p.add_argument("--kv-transfer-config", type=kv_transfer_json, default=None,
+                   help='JSON, e.g. \'{"kv_role": "kv_producer", "kv_lease_s": 30}\'')
+
+
+def kv_transfer_json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--kv-transfer-config is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--kv-transfer-config must be a JSON object")
+    return value
 
 
 ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "max_num_seqs",
@@ -45,7 +59,8 @@ ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "max_num_seqs",
                "tensor_parallel_size", "prefill_context_parallel_size",
                "decode_context_parallel_size", "data_parallel_size", "cp_kv_cache_interleave_size",
                "enable_sequence_parallel", "enable_expert_parallel", "enable_dbo",
-               "dbo_decode_token_threshold", "dbo_prefill_token_threshold")
+               "dbo_decode_token_threshold", "dbo_prefill_token_threshold", "kv_offload_gb",
+               "kv_transfer_config")
 
 
 def make_llm(args):
