@@ -144,6 +144,10 @@ def main(argv=None) -> None:
     bench.add_argument("--output-len", type=int, default=32)
     bench.add_argument("--num-prompts", type=int, default=16)
     bench.set_defaults(func=cmd_bench)
+    proxy = sub.add_parser("proxy", help="one endpoint in front of a prefill and a decode instance")
+    from longserve.entrypoints.proxy import add_proxy_args, cmd_proxy
+    add_proxy_args(proxy)
+    proxy.set_defaults(func=cmd_proxy)
     args = parser.parse_args(argv)
     try:
         args.func(args)

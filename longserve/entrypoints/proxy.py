@@ -1,0 +1,87 @@
+"""`longserve proxy --prefill URL --decode URL`: a disaggregated pair behind one OpenAI endpoint.
+
+Each completion / chat request goes to the prefill instance with one output token and
+`kv_transfer_params: {"do_remote_decode": true}`; the decode instance then gets the original
+request plus the `kv_transfer_params` the prefill instance returned, and its answer (a stream
+or one JSON body) is relayed as is. A client that disconnects closes the decode stream (the
+decode instance aborts); blocks the prefill instance holds go back at the end of their lease.
+"""
+from __future__ import annotations
+
+import argparse
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+
+def build_app(prefill_url: str, decode_url: str, transport: httpx.AsyncBaseTransport | None = None,
+              timeout_s: float = 600.0) -> FastAPI:
+    app = FastAPI(title="longserve proxy")
+    client = httpx.AsyncClient(transport=transport, timeout=timeout_s)
+
+    async def forward(request: Request, path: str):
+        body = await request.json()
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        prefill = dict(body, stream=False, max_tokens=1, max_completion_tokens=1,
+                       kv_transfer_params={"do_remote_decode": True})
+        prefill.pop("stream_options", None)
+        r = await client.post(prefill_url.rstrip("/") + path, json=prefill, headers=headers)
+        if r.status_code != 200:
+            return Response(r.content, r.status_code, media_type="application/json")
+        decode = dict(body, kv_transfer_params=r.json().get("kv_transfer_params"))
+        url = decode_url.rstrip("/") + path
+        if not body.get("stream"):
+            r = await client.post(url, json=decode, headers=headers)
+            return Response(r.content, r.status_code, media_type="application/json")
+        upstream = await client.send(client.build_request("POST", url, json=decode, headers=headers),
+                                     stream=True)
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            return Response(content, upstream.status_code, media_type="application/json")
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:  # also when the client went away: the decode instance sees it and aborts
+                await upstream.aclose()
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await forward(request, "/v1/chat/completions")
+
+    @app.get("/health")
+    async def health():
+        for url in (prefill_url, decode_url):
+            try:
+                r = await client.get(url.rstrip("/") + "/health")
+                if r.status_code != 200:
+                    return JSONResponse({"unhealthy": url}, 503)
+            except httpx.HTTPError:
+                return JSONResponse({"unreachable": url}, 503)
+        return {"status": "ok"}
+
+    app.router.on_shutdown.append(client.aclose)
+    return app
+
+
+def add_proxy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", required=True, help="URL of the kv_producer instance")
+    p.add_argument("--decode", required=True, help="URL of the kv_consumer instance")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+
+
+def cmd_proxy(args) -> None:
+    import uvicorn
+    for name in ("prefill", "decode"):
+        if not getattr(args, name).startswith(("http://", "https://")):
+            raise ValueError(f"--{name} must be an http(s) URL, got {getattr(args, name)!r}")
+    uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port, log_level="warning")

@@ -1,0 +1,63 @@
+"""The disaggregation proxy against stand-in prefill / decode instances (httpx mock transport)."""
+import json
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from longserve.entrypoints.proxy import build_app
+
+PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_request_id": "7"}
+
+
+def upstreams(log):
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        log.append((request.url.host, request.url.path, body))
+        if request.url.host == "prefill":
+            if body.get("prompt") == "bad":
+                return httpx.Response(400, json={"error": {"message": "max_tokens too big"}})
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+        if body.get("stream"):
+            chunks = [b'data: {"choices": [{"text": "he"}]}\n\n', b'data: {"choices": [{"text": "llo"}]}\n\n',
+                      b"data: [DONE]\n\n"]
+            async def body_stream():
+                for c in chunks:
+                    yield c
+            return httpx.Response(200, content=body_stream(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"choices": [{"text": "hello"}]})
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_proxy_sends_prefill_then_decode_with_params(stream):
+    log = []
+    app = build_app("http://prefill:1", "http://decode:2", transport=upstreams(log))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 9, "stream": stream},
+                        headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200
+        if stream:
+            assert r.text.count("data:") == 3 and r.text.endswith("data: [DONE]\n\n")
+        else:
+            assert r.json()["choices"][0]["text"] == "hello"
+    (h1, p1, prefill), (h2, p2, decode) = log
+    assert (h1, h2, p1, p2) == ("prefill", "decode", "/v1/completions", "/v1/completions")
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert prefill["kv_transfer_params"] == {"do_remote_decode": True}
+    assert decode["max_tokens"] == 9 and decode["stream"] is stream and decode["kv_transfer_params"] == PARAMS
+
+
+def test_proxy_passes_prefill_errors_through():
+    log = []
+    with TestClient(build_app("http://prefill:1", "http://decode:2", transport=upstreams(log))) as client:
+        r = client.post("/v1/chat/completions", json={"prompt": "bad", "messages": []})
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert [h for h, _, _ in log] == ["prefill"]  # the decode instance never saw it
+
+
+def test_proxy_cli_refuses_bad_urls(capsys):
+    from longserve.entrypoints.cli import main
+    with pytest.raises(SystemExit):
+        main(["proxy", "--prefill", "localhost:8001", "--decode", "http://x:1"])
+    assert "--prefill must be an http(s) URL" in capsys.readouterr().err
