@@ -94,6 +94,29 @@ def test_consumer_prefix_hit_pulls_less_and_full_hit_releases(reference, pool_wh
 
 
 @pytest.mark.timeout(180)
+def test_pull_right_after_prefill_with_an_empty_shard(pool_whole):
+    """The consumer pulls at once (maybe before the producer's workers hear of the hold) one
+    token that only one of its two DCP shards stores: the other rank moves nothing."""
+    prompt = {"prompt_token_ids": PROMPTS[1]["prompt_token_ids"][:34]}
+    with LLM(MODEL, device="cpu", max_model_len=256) as ref:
+        want = ref.generate([prompt], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+    prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
+    try:
+        with consumer(tensor_parallel_size=2, decode_context_parallel_size=2) as cons:
+            cons.generate([prompt], greedy(1), use_tqdm=False)  # caches one block of 32 tokens
+            p = prod.call("prefill", prompt)
+            out = cons.generate([prompt], with_params(p, 4), use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == want
+            stats = cons.engine.stats()
+            assert stats["kv_connector_num_loaded_tokens"] == 1
+            assert stats["num_prompt_tokens_computed"] == 34 + 1  # nothing recomputed
+            pool_whole(cons)
+        wait_pool_whole(prod, 5)
+    finally:
+        prod.close()
+
+
+@pytest.mark.timeout(180)
 def test_bad_params_are_refused_at_the_door(pool_whole):
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
     try:

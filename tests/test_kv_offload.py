@@ -87,3 +87,17 @@ def test_offload_config_errors():
         LLM("builtin:llama-tiny", device="cpu", kv_transfer_config={"kv_rol": "kv_producer"})
     with pytest.raises(ValueError, match="kv_role must be one of"):
         LLM("builtin:llama-tiny", device="cpu", kv_transfer_config={"kv_role": "producer"})
+
+
+@pytest.mark.timeout(240)
+def test_offload_with_tp2_and_pcp2(pool_whole):
+    """Every rank offloads its own shard; the same block ids on every rank's host pool."""
+    prompts = workload(2)[:4]
+    with LLM("builtin:llama-tiny", device="cpu", max_model_len=256, block_size=4) as big:
+        want = [o.outputs[0].token_ids for o in big.generate(prompts, GREEDY, use_tqdm=False)]
+    for layout in (dict(tensor_parallel_size=2), dict(prefill_context_parallel_size=2)):
+        with LLM("builtin:llama-tiny", device="cpu", max_model_len=256, block_size=2, num_gpu_blocks=24,
+                 kv_offload_gb=0.001, **layout) as off:
+            assert run_rounds(off, prompts) == want + want
+            assert off.engine.stats()["kv_connector_num_loaded_tokens"] > 0
+            pool_whole(off)

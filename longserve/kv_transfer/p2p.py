@@ -208,6 +208,7 @@ class P2pConnectorWorker:
         self.caches: list[torch.Tensor] = []
         self.lock = threading.Lock()
         self.held: dict[str, Held] = {}
+        self.let_go: set[str] = set()  # held once, let go since: a pull for them is refused
         self.done: dict[str, bool] = {}  # consumer: request id -> load succeeded
         self.failed_blocks: set[int] = set()
         self.stores: dict[tuple[str, int], object] = {}
@@ -247,6 +248,9 @@ class P2pConnectorWorker:
             sending = {r for r, h in self.held.items() if h.readers == 0 and self._let_go(r, h)}
             for r in sending:
                 del self.held[r]
+            if len(self.let_go) > 100_000:  # a pull that late waits out its timeout instead
+                self.let_go.clear()
+            self.let_go.update(sending)
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -295,13 +299,23 @@ class P2pConnectorWorker:
         except Exception:  # noqa: BLE001
             return False
 
+    def _take_reader(self, req_id: str) -> Held | None:
+        """The held request, counted as read; a pull may come before the step plan that
+        announces the hold reaches this rank, so wait for it (not for one already let go)."""
+        deadline = time.monotonic() + self.kvt.kv_transfer_timeout_s
+        while True:
+            with self.lock:
+                h = self.held.get(req_id)
+                if h is not None and time.time() < h.deadline:
+                    h.readers += 1
+                    return h
+                if h is not None or req_id in self.let_go or time.monotonic() > deadline:
+                    return None
+            time.sleep(0.002)
+
     def _serve(self, msg: dict) -> None:
-        with self.lock:
-            h = self.held.get(msg["req_id"])
-            ok = h is not None and time.time() < h.deadline
-            if ok:
-                h.readers += 1
-        if not ok:
+        h = self._take_reader(msg["req_id"])
+        if h is None:
             self.store.set(msg["reply_key"], "gone: the producer no longer holds the request's KV")
             return
         try:
@@ -316,7 +330,8 @@ class P2pConnectorWorker:
                 h.readers -= 1
 
     def _payloads(self, msg: dict, rng: PieceRange, receiver: KVLayout, chunks: list):
-        for i, (piece, layers) in enumerate((p, c) for p in msg["pieces"] for c in chunks):
+        pieces = [p for p in msg["pieces"] if not _is_empty(p, self.layout, receiver, rng)]
+        for i, (piece, layers) in enumerate((p, c) for p in pieces for c in chunks):
             yield pack_piece(self.caches[layers], piece, self.layout, receiver, rng)
             if i == 0:
                 _inject_fault(self.groups, msg["pair"])
@@ -371,7 +386,7 @@ class P2pConnectorWorker:
         try:
             group = self.groups.get(store, pair, 1)
             head_dim, dtype = self.caches[0].shape[-1], self.caches[0].dtype
-            parts = [(piece, layers) for piece in pieces
+            parts = [(piece, layers) for piece in pieces if not _is_empty(piece, remote, self.layout, rng)
                      for layers in _layer_chunks(len(self.caches), chunk)]
 
             def buffer(piece, layers):
@@ -397,6 +412,11 @@ def _inject_fault(groups: PairGroups, pair: str) -> None:
     if fault == "drop":
         groups.drop(pair)
         raise ConnectionError("test: the pair's connection was dropped")
+
+
+def _is_empty(piece, sender: KVLayout, receiver: KVLayout, rng: PieceRange) -> bool:
+    """A piece with no positions in the range moves nothing (both sides skip it)."""
+    return 0 in payload_shape(piece, sender, receiver, rng, 1, 1)
 
 
 def _layer_chunks(num_layers: int, per_chunk: int) -> list[slice]:
