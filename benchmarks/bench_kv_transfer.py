@@ -11,6 +11,10 @@ prefills the prompt (one token) and holds its blocks; the consumer pulls them an
 Handover = consumer's time to first token (pull + one-token forward), against the raw
 transfer time of the same bytes (target <= 2x).
 
+--mode itl: ITL (step time of steps that advance them) of --decodes running decodes while
+--long-prompts prompts of --tokens arrive every --interval steps: both on one GPU
+(colocated), or prefilled on GPU 0 and pulled by the decoding instance on GPU 1.
+
 Default: Llama-3-8B shape (32 layers, 8 KV heads, head_dim 128, bf16), a 32K-token prompt.
 CPU check: --device cpu --tokens 512 --layers 2 (raw) / --model builtin:llama-tiny (engine).
 """
@@ -149,9 +153,132 @@ def run_engine(args):
     print(json.dumps({"prefill_s": prefill_s, "handover_s": handover_s, **stats}))
 
 
+# ---- ITL of running decodes while long prompts arrive ---------------------------------------
+def itl_engine(args, kv_role=None, gpu="0"):
+    if args.device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    from longserve import LLM
+    kw = dict(device=args.device, max_model_len=args.tokens + args.decode_tokens + 64)
+    if kv_role:
+        kw["kv_transfer_config"] = {"kv_role": kv_role, "kv_lease_s": 300, "kv_transfer_timeout_s": 300}
+    if args.model.endswith("-shape"):
+        kw.update(load_format="dummy", dtype="bfloat16")
+    llm = LLM(args.model, **kw)
+    vocab = llm.config.model.vocab_size
+    rng = np.random.default_rng(0)
+    long_prompts = [{"prompt_token_ids": rng.integers(10, vocab - 10, args.tokens).tolist()}
+                    for _ in range(args.long_prompts)]
+    return llm, long_prompts
+
+
+def itl_decode_loop(llm, long_params, next_long):
+    """Run --decodes requests; every --interval steps one long prompt arrives (next_long()
+    gives its params, or None when it is not ready yet). Returns the step times (s) of steps
+    that advanced the decodes, and the wall time."""
+    from longserve import SamplingParams
+    eng, args = llm.engine, long_params
+    decodes = [eng.make_request({"prompt_token_ids": [5 + i, 6, 7, 8]}, SamplingParams(
+        temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)) for i in range(args.decodes)]
+    for r in decodes:
+        eng.add_request(r)
+    while any(r.num_computed_tokens == 0 for r in decodes):
+        eng.step()
+    times, step, t_start = [], 0, time.perf_counter()
+    while not all(r.is_finished for r in decodes):
+        if step % args.interval == 0:
+            next_long(eng)
+        before = [len(r.output_token_ids) for r in decodes]
+        t = time.perf_counter()
+        eng.step()
+        if any(len(r.output_token_ids) > b for r, b in zip(decodes, before)):
+            times.append(time.perf_counter() - t)
+        step += 1
+    return times, time.perf_counter() - t_start
+
+
+def itl_side(role, args, conn):
+    from longserve import SamplingParams
+    greedy = dict(temperature=0, ignore_eos=True)
+    if role == "kv_producer":
+        llm, prompts = itl_engine(args, role, "0")
+        conn.send("ready")
+        while True:
+            if conn.poll(0.001):
+                if conn.recv() == "stop":
+                    break
+                out = llm.generate([prompts.pop(0)], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)[0]
+                conn.send(out.kv_transfer_params)
+            elif llm.engine.has_kv_transfers():
+                llm.engine.step()
+        llm.shutdown()
+        return
+    llm, prompts = itl_engine(args, role, "1" if role else "0")
+    todo = list(prompts)
+    if role:
+        conn.recv()  # the producer is up
+
+    def next_long(eng):
+        if not todo:
+            return
+        if role is None:
+            eng.add_request(eng.make_request(todo.pop(0), SamplingParams(max_tokens=1, **greedy)))
+        elif getattr(next_long, "asked", False) is False:
+            conn.send("prefill")
+            next_long.asked = True
+        if role and conn.poll(0):
+            params = conn.recv()
+            eng.add_request(eng.make_request(todo.pop(0), SamplingParams(
+                max_tokens=1, extra_args={"kv_transfer_params": params}, **greedy)))
+            next_long.asked = False
+    times, wall = itl_decode_loop(llm, args, next_long)
+    conn.send((times, wall))
+    llm.shutdown()
+
+
+def run_itl(args):
+    ctx = mp.get_context("spawn")
+    rows = {}
+    for mode in ("colocated", "disaggregated"):
+        conns, procs = [], []
+        roles = [None] if mode == "colocated" else ["kv_producer", "kv_consumer"]
+        for role in roles:
+            a, b = ctx.Pipe()
+            conns.append(a)
+            procs.append(ctx.Process(target=itl_side, args=(role, args, b)))
+            procs[-1].start()
+        if mode == "disaggregated":
+            conns[1].send(conns[0].recv())  # ready
+            while True:  # relay the consumer's asks to the producer, params back
+                if conns[1].poll(0.01):
+                    msg = conns[1].recv()
+                    if msg != "prefill":
+                        times, wall = msg
+                        conns[0].send("stop")
+                        break
+                    conns[0].send("prefill")
+                    conns[1].send(conns[0].recv())
+        else:
+            times, wall = conns[0].recv()
+        for p in procs:
+            p.join(120)
+        ms = 1000 * np.asarray(times)
+        rows[mode] = dict(itl_p50_ms=float(np.percentile(ms, 50)), itl_p99_ms=float(np.percentile(ms, 99)),
+                          itl_max_ms=float(ms.max()), steps=len(ms), wall_s=wall)
+    print(f"{args.decodes} decodes x {args.decode_tokens} tokens, {args.long_prompts} prompts of "
+          f"{args.tokens} tokens arriving every {args.interval} steps")
+    print("| mode | ITL p50 (ms) | ITL p99 (ms) | max (ms) |\n| --- | --- | --- | --- |")
+    for mode, r in rows.items():
+        print(f"| {mode} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['itl_max_ms']:.1f} |")
+    print(json.dumps(rows))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["raw", "engine"], default="raw")
+    ap.add_argument("--mode", choices=["raw", "engine", "itl"], default="raw")
+    ap.add_argument("--decodes", type=int, default=16, help="itl: running decode requests")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="itl: tokens each decode makes")
+    ap.add_argument("--long-prompts", type=int, default=4, help="itl: long prompts that arrive")
+    ap.add_argument("--interval", type=int, default=40, help="itl: steps between long prompts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=32)
@@ -163,7 +290,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--model", default="builtin:llama3-8b-shape")
     args = ap.parse_args()
-    run_raw(args) if args.mode == "raw" else run_engine(args)
+    {"raw": run_raw, "engine": run_engine, "itl": run_itl}[args.mode](args)
 
 
 if __name__ == "__main__":
