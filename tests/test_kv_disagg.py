@@ -1,7 +1,6 @@
 """Prefill/decode disaggregation at the engine level: a producer engine in its own process(es),
 a consumer engine here; the KV moves over gloo pair groups. Every layout pair gives the
 greedy tokens of one instance alone, and both pools are whole afterwards."""
-import os
 import time
 
 import pytest
