@@ -85,6 +85,8 @@ def test_offload_config_errors():
         LLM("builtin:llama-tiny", device="cpu", kv_offload_gb=0.01, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="unknown kv_transfer_config keys"):
         LLM("builtin:llama-tiny", device="cpu", kv_transfer_config={"kv_rol": "kv_producer"})
+    with pytest.raises(ValueError, match="data_parallel_size=1"):
+        LLM("builtin:llama-tiny", device="cpu", kv_offload_gb=0.01, data_parallel_size=2)
     with pytest.raises(ValueError, match="kv_role must be one of"):
         LLM("builtin:llama-tiny", device="cpu", kv_transfer_config={"kv_role": "producer"})
 
