@@ -28,7 +28,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.model.path!r} has no tokenizer.json; "
+            raise ValueError(f"{self.config.model.path!r} has no tokenizer (tokenizer.json); "
                              "pass {'prompt_token_ids': [...]} instead of text")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
 
