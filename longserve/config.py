@@ -51,8 +51,8 @@ def check_hf_sizes(hf: dict, source: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """The architecture, read from a HF config.json."""
-    path: str
+    """The architecture, read from a HF config.json or a GGUF file's metadata."""
+    path: str  # a HF folder or a .gguf file
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -84,9 +84,15 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+    tokenizer: str | None = None  # a folder with tokenizer.json that overrides the model's
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
+        from longserve.models.gguf_loader import gguf_hf_config, is_gguf
+        if is_gguf(path):
+            cfg = cls.from_hf_dict(path, gguf_hf_config(path))
+            cfg.check(path)
+            return cfg
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in model folder {path!r}")
@@ -132,7 +138,8 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported architecture {archs} in {path!r}; "
                              f"LongServe runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-        check_hf_sizes(hf, os.path.join(path, "config.json"))  # before any arithmetic on them
+        source = path if path.endswith(".gguf") else os.path.join(path, "config.json")
+        check_hf_sizes(hf, source)  # before any arithmetic on them
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

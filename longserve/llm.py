@@ -11,7 +11,7 @@ from longserve.config import (CacheConfig, EngineConfig, KVTransferConfig, Model
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.request import RequestOutput
 from longserve.inputs import is_token_list
-from longserve.models.builtin import resolve_model
+from longserve.models.builtin import DEFAULT_MODEL, resolve_model
 from longserve.sampling_params import SamplingParams
 
 
@@ -78,7 +78,8 @@ def _under_torchrun() -> bool:
     return launched_by_torchrun()
 
 
-def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device: str | None = None,
+def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = None,
+                        dtype: str | torch.dtype = "auto", device: str | None = None,
                         max_model_len: int | None = None, block_size: int = 16,
                         max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                         gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
@@ -108,6 +109,11 @@ def build_engine_config(model: str, *, dtype: str | torch.dtype = "auto", device
                       enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                       enable_sequence_parallel=enable_sequence_parallel)
     model_cfg = ModelConfig.from_pretrained(resolve_model(model, seed))
+    if tokenizer is not None:
+        if not (os.path.isdir(tokenizer) or (tokenizer.endswith(".gguf") and os.path.isfile(tokenizer))):
+            raise FileNotFoundError(f"tokenizer {tokenizer!r} is neither a folder (with "
+                                    "tokenizer.json) nor a .gguf file")
+        model_cfg.tokenizer = tokenizer
     if dtype == "auto":
         dtype = torch.float32 if device == "cpu" else (
             torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype)
@@ -198,7 +204,7 @@ def check_engine_args(**args) -> None:
 class LLM:
     """Offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str = "builtin:qwen3-tiny", **kwargs):
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         self.config = build_engine_config(model, **kwargs)
         self.engine = LLMEngine(self.config)
 
@@ -230,6 +236,19 @@ class LLM:
         finally:
             bar.close()
         return [self.engine.to_output(r) for r in requests]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's chat: one conversation (a list of {"role": ..., "content": ...}) or a list of
+        conversations, each rendered with the model's chat template and generated from."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
+                             "(one conversation) or of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self.engine.encode_chat(c, chat_template, add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -18,3 +18,11 @@ def assert_pool_whole(llm):
 @pytest.fixture
 def pool_whole():
     return assert_pool_whole
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct's .gguf through the default model's resolver (fetched once into
+    the test cache)."""
+    from longserve.models.builtin import resolve_model
+    return resolve_model("smollm2")

@@ -48,7 +48,7 @@ def test_torchrun_launch_matches_one_rank():
     import sys
 
     cmd = ["-m", "longserve.entrypoints.cli", "generate", "--device", "cpu", "--max-tokens", "8",
-           "--prompt", "Hello there"]
+           "--model", "builtin:qwen3-tiny", "--prompt", "Hello there"]
     one = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           *cmd, "-tp", "2"], capture_output=True, text=True, timeout=180)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import time
 
 from longserve.config import EngineConfig
@@ -13,23 +12,14 @@ from longserve.engine.request import CompletionOutput, Request, RequestOutput
 from longserve.inputs import parse_prompt
 from longserve.kv_transfer.base import build_scheduler_connector
 from longserve.sampling_params import SamplingParams
-
-
-def load_tokenizer(path: str):
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
-        return None
-    from tokenizers import Tokenizer
-    try:
-        return Tokenizer.from_file(file)
-    except Exception as e:  # the Rust side raises a bare Exception for a corrupt file
-        raise ValueError(f"cannot read the tokenizer {file}: {e}") from None
+from longserve.tokenizer import load_tokenizer, render_chat
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.path)
+        self.tokenizer_info = load_tokenizer(config.model)
+        self.tokenizer = self.tokenizer_info.tokenizer
         self.kv_store = None
         if config.kv_transfer.kv_role is not None:  # before the workers: they connect to it
             from longserve.kv_transfer.p2p import host_store
@@ -46,11 +36,20 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.model.path!r} has no tokenizer.json; "
+            raise ValueError(f"{self.config.model.path!r} has no tokenizer (tokenizer.json); "
                              "pass {'prompt_token_ids': [...]} instead of text")
-        return self.tokenizer.encode(prompt).ids
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict:
+        """A conversation -> {"prompt": rendered text, "prompt_token_ids": ...}; the template
+        writes any BOS itself, so the tokenizer adds no special tokens."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model.path!r} has no tokenizer; chat needs one")
+        text = render_chat(self.tokenizer_info, messages, add_generation_prompt, chat_template)
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,4 +1,4 @@
-"""The `longserve` command: `generate` and `bench`, with vLLM's flag names."""
+"""The `longserve` command: `generate`, `chat` and `bench`, with vLLM's flag names."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,11 @@ import numpy as np
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:qwen3-tiny",
-                   help="HF-format folder, or builtin:<name> (default: builtin:qwen3-tiny)")
+    p.add_argument("--model", default="smollm2",
+                   help="HF-format folder, a .gguf file, smollm2 (the default: "
+                        "SmolLM2-135M-Instruct, fetched once) or builtin:<name> (random weights)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder with tokenizer.json (or a .gguf) to use instead of the model's")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -53,7 +56,7 @@ def kv_transfer_json(text: str) -> dict:
     return value
 
 
-ENGINE_KEYS = ("dtype", "device", "max_model_len", "block_size", "max_num_seqs",
+ENGINE_KEYS = ("tokenizer", "dtype", "device", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "gpu_memory_utilization", "cpu_kv_cache_gb",
                "enable_prefix_caching", "enforce_eager", "seed", "load_format",
                "tensor_parallel_size", "prefill_context_parallel_size",
@@ -75,18 +78,28 @@ def sampling_from_args(args):
                           ignore_eos=args.ignore_eos, stop=args.stop or None)
 
 
+DEFAULT_CHAT_PROMPTS = ["What is the capital of France?", "Name three primary colors."]
+DEFAULT_PROMPTS = ["Once upon a time", "Context parallelism splits a prompt"]
+
+
 def cmd_generate(args) -> None:
     prompts = list(args.prompt or [])
     if args.prompt_file:
         with open(args.prompt_file) as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
-    if not prompts:
-        prompts = ["Once upon a time", "Context parallelism splits a prompt"]
     t0 = time.perf_counter()
     llm = make_llm(args)
     t_load = time.perf_counter() - t0
+    # with no prompts given, a model with a chat template is asked questions
+    chat = args.chat or (not prompts and llm.engine.tokenizer_info.chat_template is not None)
+    prompts = prompts or (DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS)
     t1 = time.perf_counter()
-    outs = llm.generate(prompts, sampling_from_args(args))
+    if chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sampling_from_args(args))
+        for o, p in zip(outs, prompts):
+            o.prompt = p  # print the question, not the rendered template
+    else:
+        outs = llm.generate(prompts, sampling_from_args(args))
     elapsed = time.perf_counter() - t1
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     for o in outs:
@@ -123,11 +136,7 @@ def cmd_bench(args) -> None:
     llm.shutdown()
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="longserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for prompts")
-    add_engine_args(gen)
+def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompt-file", help="a file with one prompt per line")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -137,7 +146,19 @@ def main(argv=None) -> None:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    gen.set_defaults(func=cmd_generate)
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the model's chat template")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="longserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, doc in (("generate", "generate text for prompts"),
+                      ("chat", "generate --chat: each prompt is a user message")):
+        gen = sub.add_parser(name, help=doc)
+        add_engine_args(gen)
+        add_generate_args(gen)
+        gen.set_defaults(func=cmd_generate, chat=name == "chat")
     bench = sub.add_parser("bench", help="offline throughput and time to first token")
     add_engine_args(bench)
     bench.add_argument("--input-len", type=int, default=128)
@@ -151,7 +172,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, FileNotFoundError, TypeError, RuntimeError) as e:
         print(f"longserve: error: {e}", file=sys.stderr)
         sys.exit(2)
 

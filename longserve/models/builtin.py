@@ -1,4 +1,5 @@
-"""Built-in models: real architectures with seeded random weights, written as HF folders.
+"""Model names: the default real model (`smollm2`), and built-in models: real architectures
+with seeded random weights, written as HF folders.
 
 `builtin:<name>` resolves to a folder under the cache directory (LONGSERVE_CACHE, default
 ~/.cache/longserve) holding config.json, model.safetensors and tokenizer.json, made on
@@ -14,7 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 from longserve.config import ModelConfig
+from longserve.models.gguf_loader import is_gguf
 from longserve.models.loader import checkpoint_shapes
+from longserve.models.smollm2 import smollm2_path
+
+DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, a real trained model (GGUF)
 
 TINY_COMMON = dict(vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6,
                    bos_token_id=1, eos_token_id=2, torch_dtype="float32")
@@ -92,11 +97,19 @@ def cache_dir() -> str:
 
 
 def resolve_model(model: str, seed: int = 0) -> str:
-    """A model argument (folder or builtin:<name>) -> a folder with an HF config."""
+    """A model argument -> a folder with an HF config, or a .gguf file. `smollm2` (the
+    default) is a real trained model, fetched once (see smollm2.py)."""
+    if model == DEFAULT_MODEL:
+        return smollm2_path(cache_dir())
+    if is_gguf(model):
+        if not os.path.isfile(model):
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+        return model
     if not model.startswith("builtin:"):
         if not os.path.isdir(model):
-            raise FileNotFoundError(f"model folder {model!r} does not exist "
-                                    f"(or use builtin:<name>, one of {sorted(BUILTIN_CONFIGS)})")
+            raise FileNotFoundError(f"model folder {model!r} does not exist (or use "
+                                    f"{DEFAULT_MODEL!r}, a .gguf file, or builtin:<name>, one of "
+                                    f"{sorted(BUILTIN_CONFIGS)})")
         return model
     name = model.removeprefix("builtin:")
     if name not in BUILTIN_CONFIGS:

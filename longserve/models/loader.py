@@ -1,4 +1,5 @@
-"""Build a model and fill it from a HF-format folder (safetensors), each rank taking its slices.
+"""Build a model and fill it from a HF-format folder (safetensors) or a GGUF file, each rank
+taking its slices.
 
 `load_format="dummy"` fills the parameters with seeded random values instead (benchmarks
 at real shapes, where no weights can be downloaded).
@@ -14,6 +15,7 @@ from safetensors import safe_open
 
 from longserve.config import ModelConfig
 from longserve.distributed.parallel_state import ParallelState
+from longserve.models.gguf_loader import gguf_hf_config, gguf_tensors, is_gguf
 from longserve.models.llama import STACKED_PARAMS, LlamaForCausalLM, checkpoint_to_param_name
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,7 +61,10 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
     params = dict(model.named_parameters())
     shapes = checkpoint_shapes(cfg) | fused_expert_shapes(cfg)
     loaded: set[tuple] = set()
-    for file in safetensors_files(cfg.path):
+    if is_gguf(cfg.path):  # one file, dequantized tensor by tensor
+        for name, tensor in gguf_tensors(cfg.path, gguf_hf_config(cfg.path)):
+            load_named(params, name, tensor, cfg.path, cfg, loaded, shapes)
+    for file in [] if is_gguf(cfg.path) else safetensors_files(cfg.path):
         try:
             load_file(params, file, cfg, loaded, shapes)
         except ValueError:
@@ -77,11 +82,16 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
 def load_file(params: dict, file: str, cfg: ModelConfig, loaded: set, shapes: dict) -> None:
     with safe_open(file, framework="pt") as f:
         for name in f.keys():
-            if name.endswith(IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue  # some tied checkpoints still carry a copy
-            load_one(params, name, f.get_tensor(name), file, loaded, shapes)
+            load_named(params, name, f.get_tensor(name), file, cfg, loaded, shapes)
+
+
+def load_named(params: dict, name: str, tensor, file: str, cfg: ModelConfig, loaded: set,
+               shapes: dict) -> None:
+    if name.endswith(IGNORED_SUFFIXES):
+        return
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return  # some tied checkpoints still carry a copy
+    load_one(params, name, tensor, file, loaded, shapes)
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
