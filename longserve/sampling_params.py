@@ -51,6 +51,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
+    # per prompt token (from the second): its logprob given its prefix, plus the top-k (0: only it)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     extra_args: dict | None = None  # {"kv_transfer_params": {...}}: a consumer loads the prompt's KV
 
@@ -77,6 +79,8 @@ class SamplingParams:
                              f"got {self.min_tokens}")
         if self.logprobs is not None:
             self.logprobs = as_int(self.logprobs, "logprobs", 0)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = as_int(self.prompt_logprobs, "prompt_logprobs", 0)
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._token_list(self.stop_token_ids, "stop_token_ids")
         for name in ("ignore_eos", "include_stop_str_in_output"):

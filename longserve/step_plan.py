@@ -22,6 +22,10 @@ class ScheduledRequest:
     sampling_params: SamplingParams | None = None  # with `new` only
     seed_offset: int = 0  # tokens sampled so far (keeps seeded sampling reproducible on resume)
     resumed_from_preemption: bool = False  # `new` again after a preemption
+    # Prompt logprobs wanted from this chunk: chunk row `prompt_logprob_row + i` scores prompt
+    # token `prompt_logprob_targets[i]` (the token that follows it). None: none wanted.
+    prompt_logprob_targets: list[int] | None = None
+    prompt_logprob_row: int = 0
 
 
 @dataclass

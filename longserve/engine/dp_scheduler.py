@@ -59,10 +59,12 @@ class DPScheduler:
         return DPStepPlan([s.schedule() for s in self.schedulers], self.lockstep)
 
     def update_from_output(self, out: DPStepPlan, sampled: dict[str, int],
-                           logprobs: dict[str, dict[int, float]] | None = None) -> list[Request]:
+                           logprobs: dict[str, dict[int, float]] | None = None,
+                           prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
+                           ) -> list[Request]:
         finished = []
         for s, plan in zip(self.schedulers, out.plans):
-            finished += s.update_from_output(plan, sampled, logprobs)
+            finished += s.update_from_output(plan, sampled, logprobs, prompt_logprobs)
         for req in finished:
             self._rank_of.pop(req.request_id, None)
         return finished

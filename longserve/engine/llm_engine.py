@@ -72,6 +72,9 @@ class LLMEngine:
             raise ValueError(f"kv_transfer_params must be a dict, got {type(kv_params).__name__}")
         req.kv_transfer_params = dict(kv_params) if kv_params else None  # the engine marks it used
         if req.kv_transfer_params is not None:
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: the "
+                                 "prompt's KV is loaded, not computed (ask the producer for them)")
             if not hasattr(self.kv_connector, "validate_params"):
                 raise ValueError("kv_transfer_params need an instance started with a kv_role "
                                  "(kv_transfer_config={'kv_role': 'kv_consumer'})")
@@ -92,8 +95,10 @@ class LLMEngine:
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """Checks that need the model or the pool (the request must fit the pool alone)."""
         vocab = self.config.model.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be in [0, {vocab}] (the vocabulary), got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name} must be in [0, {vocab}] (the vocabulary), got {k}")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -139,7 +144,8 @@ class LLMEngine:
             req = self.scheduler.requests.get(req_id)
             if req is not None and req.first_token_time is None:
                 req.first_token_time = now
-        finished = self.scheduler.update_from_output(out, result.sampled, result.logprobs)
+        finished = self.scheduler.update_from_output(out, result.sampled, result.logprobs,
+                                                     result.prompt_logprobs)
         return failed + finished + self._apply_stop_strings(result.sampled, finished)
 
     def _apply_stop_strings(self, sampled: dict[str, int], finished: list[Request]) -> list[Request]:
@@ -181,7 +187,9 @@ class LLMEngine:
             finished=req.is_finished,
             metrics={"time_to_first_token": ttft, "num_preemptions": req.num_preemptions},
             kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
-            error=req.error)
+            error=req.error,
+            prompt_logprobs=None if req.sampling_params.prompt_logprobs is None
+            else [None] + list(req.prompt_logprobs))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -26,6 +26,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # entries for prompt positions 1, 2, ... collected so far (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
@@ -64,6 +66,13 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some are still missing (they need the prompt's hidden
+        states, so such a request recomputes its prompt instead of reading the prefix cache)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
@@ -88,3 +97,5 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # what a producer returns for the consumer
     error: str | None = None
+    # one entry per prompt token, the first None (as vLLM); None when not asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None

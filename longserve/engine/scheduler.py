@@ -12,6 +12,11 @@ every request to fit the pool *alone* at its longest (prompt + max_tokens, cappe
 max_model_len): `check_fits` is the door rule the engine applies before queueing. A request
 that got in without it and outgrows the whole pool is finished ("length") rather than
 preempted and readmitted forever.
+
+Prompt logprobs need the hidden state of every prompt position, so a request that still
+misses some recomputes its prompt instead of reading the prefix cache (as vLLM v1 does);
+its computed blocks are registered for the others all the same. Each chunk asks only for
+the positions not collected yet, so a preempted and recomputed request gives no duplicates.
 """
 from __future__ import annotations
 
@@ -129,9 +134,11 @@ class Scheduler:
     def _schedule_waiting(self, plan: list, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            computed_blocks, num_computed = self.kv.get_computed_blocks(req)
-            external, load_async = (0, False) if self.connector is None else \
-                self.connector.get_num_new_matched_tokens(req, num_computed)
+            computed_blocks, num_computed, external, load_async = [], 0, 0, False
+            if not req.needs_prompt_logprobs:  # those recompute: every prompt row is scored
+                computed_blocks, num_computed = self.kv.get_computed_blocks(req)
+                external, load_async = (0, False) if self.connector is None else \
+                    self.connector.get_num_new_matched_tokens(req, num_computed)
             if load_async:  # blocks now, tokens when the workers say the load is done
                 if not self._start_async_load(req, computed_blocks, num_computed, external):
                     break
@@ -175,6 +182,7 @@ class Scheduler:
         start = req.num_computed_tokens
         sent = self._num_blocks_sent.get(req.request_id)
         self._num_blocks_sent[req.request_id] = len(req.block_ids)
+        targets, row = self._prompt_logprob_targets(req, start, n)
         return ScheduledRequest(
             req_id=req.request_id,
             token_ids=req.token_ids_slice(start, start + n),
@@ -185,11 +193,27 @@ class Scheduler:
             sampling_params=req.sampling_params if sent is None else None,
             seed_offset=len(req.output_token_ids),
             resumed_from_preemption=sent is None and req.num_preemptions > 0,
+            prompt_logprob_targets=targets,
+            prompt_logprob_row=row,
         )
+
+    @staticmethod
+    def _prompt_logprob_targets(req: Request, start: int, n: int) -> tuple[list[int] | None, int]:
+        """Prompt tokens this chunk [start, start + n) scores and the chunk row scoring the first:
+        position t's logprob comes from row t - 1; positions 1 .. collected are already done."""
+        if not req.needs_prompt_logprobs:
+            return None, 0
+        first = max(start + 1, len(req.prompt_logprobs) + 1)
+        last = min(start + n, req.num_prompt_tokens - 1)
+        if first > last:
+            return None, 0
+        return req.prompt_token_ids[first:last + 1], first - 1 - start
 
     # ---- results ----------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
-                           logprobs: dict[str, dict[int, float]] | None = None) -> list[Request]:
+                           logprobs: dict[str, dict[int, float]] | None = None,
+                           prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
+                           ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests; returns the finished."""
         finished, self._finished_in_schedule = self._finished_in_schedule, []
         for sr in out.requests:
@@ -198,6 +222,8 @@ class Scheduler:
                 continue  # aborted meanwhile
             req.num_computed_tokens += len(sr.token_ids)
             self.kv.cache_full_blocks(req)
+            if prompt_logprobs and sr.req_id in prompt_logprobs:
+                req.prompt_logprobs.extend(prompt_logprobs[sr.req_id])
             if sr.req_id not in sampled:
                 continue
             req.output_token_ids.append(sampled[sr.req_id])

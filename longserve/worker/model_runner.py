@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +19,7 @@ from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibili
 from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
                                             KVCacheGroupSpec)
-from longserve.worker.sampler import Sampler
+from longserve.worker.sampler import Sampler, prompt_logprobs
 from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,
@@ -37,6 +37,7 @@ class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]]
     kv_connector_output: KVConnectorOutput | None = None
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 def choose_backend(config: EngineConfig, device: torch.device):
@@ -81,6 +82,8 @@ class ModelRunner:
         self.coordinated = config.model.is_moe and (par.data_parallel_size > 1 or par.enable_dbo)
         self.num_dbo_steps = 0  # steps run as two micro-batches
         self.kv_connector = build_worker_connector(config, ps, device)  # None without KV transfer
+        # prompt logprobs take logits of this many rows at a time: [rows, vocab] stays ~64 MB
+        self.prompt_logprob_rows_per_slice = max(1, (1 << 24) // config.model.vocab_size)
 
     # ---- KV cache -----------------------------------------------------------------------
     def _kv_cache_groups(self) -> tuple[KVCacheConfig, list[list[AttentionGroup]], set[str]]:
@@ -191,6 +194,9 @@ class ModelRunner:
     def sample(self, reqs: list[ScheduledRequest], hidden, inp: StepInputs) -> ModelRunnerOutput | None:
         if self.ps.pcp.rank_in_group != 0:  # the first PCP rank's TP group takes the logits
             return None
+        prompt_lps = {}
+        if inp.prompt_logprob_rows is not None:  # every TP rank joins the logits gathers
+            prompt_lps = self.prompt_logprobs(reqs, hidden, inp.prompt_logprob_rows)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if logits is None:
             return None
@@ -199,7 +205,29 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, params, [r.seed_offset for r in sampling])
         return ModelRunnerOutput(
             {r.req_id: t for r, t in zip(sampling, tokens)},
-            {r.req_id: lp for r, lp in zip(sampling, logprobs) if lp is not None})
+            {r.req_id: lp for r, lp in zip(sampling, logprobs) if lp is not None},
+            prompt_logprobs=prompt_lps)
+
+    def prompt_logprobs(self, reqs: list[ScheduledRequest], hidden,
+                        rows) -> dict[str, list[dict[int, float]]]:
+        """Score the step's prompt rows a slice at a time (logits [slice, vocab], not [T, vocab])."""
+        asking = [r for r in reqs if r.prompt_logprob_targets]
+        targets = [t for r in asking for t in r.prompt_logprob_targets]
+        ks = [self.requests[r.req_id].sampling_params.prompt_logprobs
+              for r in asking for _ in r.prompt_logprob_targets]
+        rows = torch.from_numpy(rows).to(hidden.device)
+        entries, step = [], self.prompt_logprob_rows_per_slice
+        for a in range(0, len(targets), step):
+            logits = self.model.compute_logits(hidden[rows[a:a + step]])
+            if logits is not None:
+                entries += prompt_logprobs(logits, targets[a:a + step], ks[a:a + step])
+        if not entries:  # not the first TP rank
+            return {}
+        out, at = {}, 0
+        for r in asking:
+            n = len(r.prompt_logprob_targets)
+            out[r.req_id], at = entries[at:at + n], at + n
+        return out
 
     # ---- CUDA graphs for decode -----------------------------------------------------------
     def capture_cudagraphs(self) -> None:

@@ -64,6 +64,19 @@ class Sampler:
         return out
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int],
+                    top_ks: list[int]) -> list[dict[int, float]]:
+    """logits [R, V] float32 of prompt rows -> per row {target: logprob} plus its top-k."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    k = max(top_ks)
+    top = logprobs.topk(k) if k else None
+    top_v = top.values.tolist() if k else [[]] * len(targets)
+    top_i = top.indices.tolist() if k else [[]] * len(targets)
+    return [{t: c, **dict(zip(ids[:kr], vs[:kr]))}
+            for t, c, kr, vs, ids in zip(targets, chosen, top_ks, top_v, top_i)]
+
+
 def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     if not any(top_ks):
         return logits

@@ -31,6 +31,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the (restored) hidden states to take logits of
     num_local_tokens: int
     is_pure_decode: bool
+    # rows of the (restored) hidden states whose logits score prompt tokens, in request
+    # order (ScheduledRequest.prompt_logprob_targets); None when no request asks
+    prompt_logprob_rows: np.ndarray | None = None
 
 
 @dataclass
@@ -91,7 +94,13 @@ def prepare_step(reqs: list[ScheduledRequest], block_ids: list[list[int]], layou
     return StepInputs(
         input_ids=torch.from_numpy(token_ids).to(device), positions=torch.from_numpy(positions).to(device),
         meta=meta, logits_indices=logits_indices, num_local_tokens=meta.num_tokens,
-        is_pure_decode=num_decodes == len(reqs))
+        is_pure_decode=num_decodes == len(reqs), prompt_logprob_rows=prompt_logprob_rows(reqs, starts))
+
+
+def prompt_logprob_rows(reqs: list[ScheduledRequest], starts: np.ndarray) -> np.ndarray | None:
+    rows = [starts[i] + r.prompt_logprob_row + np.arange(len(r.prompt_logprob_targets))
+            for i, r in enumerate(reqs) if r.prompt_logprob_targets]
+    return np.concatenate(rows) if rows else None
 
 
 def cp_local(lens: torch.Tensor, layout: CPLayout) -> torch.Tensor:
