@@ -244,6 +244,13 @@ def summarize(parts: list[dict], cont_masks: list[torch.Tensor]) -> dict:
                 kl_mean_cont=cat["kl"][cont].mean().item())
 
 
+def device_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    n = torch.cuda.device_count()
+    return f"{n} x {torch.cuda.get_device_name()}"
+
+
 def markdown(results: dict, meta: dict) -> str:
     lines = [f"model `{meta['model']}`, {meta['num_sequences']} sequences ({meta['num_positions']} "
              f"positions, continuations of <= {meta['continuation_len']}), device {meta['device_name']}, "
@@ -261,16 +268,41 @@ def markdown(results: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def build_reference(path, args):
-    """Prompts + the float32 reference's greedy continuations, and its log-probs (CPU)."""
-    ref_model = load_hf(path, torch.float32, "cpu")
-    tok = load_tokenizer(path, args.tokenizer)
-    eos = ref_model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    prompts = make_prompts(tok, args.num_prompts, ref_model.config.vocab_size)
-    seqs = [p + greedy_continuation(ref_model, p, args.continuation_len, eos) for _, p in prompts]
-    refs = [hf_logprobs(ref_model, s, "cpu") for s in seqs]
-    return ref_model, prompts, seqs, refs
+class Reference:
+    """HF float32 on the CPU: the prompts, its greedy continuations and its log-probs, kept in
+    --reference-cache when given (the GGUF's dequantization and the CPU decoding then run once
+    for several invocations); the model itself is loaded only when a row needs it."""
+
+    def __init__(self, path: str, args):
+        self.path, self._model = path, None
+        cache = args.reference_cache
+        if cache and os.path.isfile(cache):
+            saved = torch.load(cache)
+            if saved["key"] == self.key(args):
+                self.prompts, self.seqs, self.logprobs = saved["prompts"], saved["seqs"], saved["logprobs"]
+                return
+        self.build(args)
+        if cache:
+            torch.save(dict(key=self.key(args), prompts=self.prompts, seqs=self.seqs,
+                            logprobs=self.logprobs), cache)
+
+    def key(self, args) -> list:
+        return [os.path.abspath(self.path), args.tokenizer, args.num_prompts, args.continuation_len]
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = load_hf(self.path, torch.float32, "cpu")
+        return self._model
+
+    def build(self, args) -> None:
+        tok = load_tokenizer(self.path, args.tokenizer)
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.prompts = make_prompts(tok, args.num_prompts, self.model.config.vocab_size)
+        self.seqs = [p + greedy_continuation(self.model, p, args.continuation_len, eos)
+                     for _, p in self.prompts]
+        self.logprobs = [hf_logprobs(self.model, s, "cpu") for s in self.seqs]
 
 
 def main():
@@ -284,22 +316,28 @@ def main():
     p.add_argument("--logprobs-k", type=int, default=1000, help="top-k per position (0: whole vocab)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--out", default="benchmarks/results/precision.json")
+    p.add_argument("--reference-cache", default=None, help="a .pt file to keep the reference in")
+    p.add_argument("--append", action="store_true", help="keep the other rows already in --out")
     args = p.parse_args()
     disable_tf32()
     path = resolve(args.model)
     t = time.perf_counter()
-    ref_model, prompts, seqs, refs = build_reference(path, args)
+    ref = Reference(path, args)
+    prompts, seqs, refs = ref.prompts, ref.seqs, ref.logprobs
     print(f"reference (HF float32, CPU): {len(seqs)} sequences in {time.perf_counter() - t:.1f} s")
     vocab = refs[0].shape[1]
     k = args.logprobs_k if 0 < args.logprobs_k < vocab else vocab
     prompt_lens = [len(q) for _, q in prompts]
     cont_masks = [torch.arange(1, len(s)) >= n for s, n in zip(seqs, prompt_lens)]
     results = {}
+    if args.append and os.path.isfile(args.out):
+        with open(args.out) as f:
+            results = json.load(f)["results"]
     for name in args.rows.split(","):
         row = ROWS[name]
         t = time.perf_counter()
         try:
-            entries = (run_hf(ref_model, seqs, row, args, k) if row["engine"] == "hf"
+            entries = (run_hf(ref.model, seqs, row, args, k) if row["engine"] == "hf"
                        else run_longserve(path, seqs, prompt_lens, row, args, k))
         except Exception as e:  # e.g. pcp=2 on one GPU: report it and go on
             results[name] = dict(error=f"{type(e).__name__}: {e}")
@@ -310,11 +348,12 @@ def main():
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         parts = [compare(r, s[1:], e) for r, s, e in zip(refs, seqs, entries)]
-        results[name] = dict(summarize(parts, cont_masks), seconds=time.perf_counter() - t, **row)
+        results[name] = dict(summarize(parts, cont_masks), seconds=time.perf_counter() - t,
+                             device_name=device_name(args.device), **row)
         print(f"{name}: {results[name]}")
     meta = dict(model=args.model, path=path, num_sequences=len(seqs), continuation_len=args.continuation_len,
                 num_positions=sum(len(s) - 1 for s in seqs), k=k, vocab=vocab, device=args.device,
-                device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                device_name=", ".join(sorted({r.get("device_name", "?") for r in results.values()})),
                 torch=torch.__version__, kinds=[kind for kind, _ in prompts],
                 tf32=dict(matmul=torch.backends.cuda.matmul.allow_tf32,
                           cudnn=torch.backends.cudnn.allow_tf32))
