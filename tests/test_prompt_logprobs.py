@@ -169,6 +169,7 @@ LAYOUTS = {
     "tp2-dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
     "pcp2-tp2-dcp2": dict(prefill_context_parallel_size=2, tensor_parallel_size=2,
                           decode_context_parallel_size=2),
+    "dp2": dict(data_parallel_size=2),
 }
 
 
@@ -193,7 +194,6 @@ def test_parallel_layouts_match_one_rank(hf_models, layout):
         ref = generate(llm, ps, k=5)
     with LLM(path, **kw, **LAYOUTS[layout]) as llm:
         first, second = generate(llm, ps, k=5), generate(llm, ps, k=5)
-        kv = llm.engine.kv
-        assert kv.num_free_blocks == kv.num_blocks
+        assert all(kv.num_free_blocks == kv.num_blocks for kv in llm.engine.kv_managers)
     assert_same_entries(first, ref)
     assert_same_entries(second, ref)
