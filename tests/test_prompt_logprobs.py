@@ -197,3 +197,14 @@ def test_parallel_layouts_match_one_rank(hf_models, layout):
         assert all(kv.num_free_blocks == kv.num_blocks for kv in llm.engine.kv_managers)
     assert_same_entries(first, ref)
     assert_same_entries(second, ref)
+
+
+@pytest.mark.timeout(60)
+def test_refused_with_kv_transfer_params(hf_models, pool_whole):
+    """A KV consumer loads the prompt's KV instead of computing it: no prompt logprobs there."""
+    with LLM(hf_models["llama"][0], device="cpu", kv_transfer_config={"kv_role": "kv_consumer"}) as llm:
+        params = SamplingParams(max_tokens=2, prompt_logprobs=1,
+                                extra_args={"kv_transfer_params": {"do_remote_prefill": True}})
+        with pytest.raises(ValueError, match="prompt_logprobs cannot be combined with kv_transfer"):
+            llm.generate([{"prompt_token_ids": [3, 4, 5]}], params, use_tqdm=False)
+        pool_whole(llm)
