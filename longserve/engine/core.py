@@ -256,6 +256,7 @@ class EngineCore:
         out.finished, out.finish_reason = True, req.finish_reason or "abort"
         out.stop_reason = req.stop_reason
         self.stats.finished[out.finish_reason] += 1
+        self.stats.num_preemptions += req.num_preemptions
         self.stats.e2e_request_latency.observe(now - req.arrival)
         del self._tracked[req.request_id]
         with self._lock:

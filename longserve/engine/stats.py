@@ -42,6 +42,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prompts whose first output token came out
     generation_tokens: int = 0
     finished: Counter = field(default_factory=Counter)  # finish reason -> requests
+    num_preemptions: int = 0  # of finished requests
     time_to_first_token: Histogram = field(default_factory=Histogram)
     inter_token_latency: Histogram = field(default_factory=Histogram)
     e2e_request_latency: Histogram = field(default_factory=Histogram)

@@ -50,6 +50,8 @@ class EngineCollector(Collector):
                            "Prompt tokens looked up in the prefix cache.", kv.num_cached_tokens_queried)
         yield self._family(CounterMetricFamily, "prefix_cache_hits",
                            "Prompt tokens found in the prefix cache.", kv.num_cached_tokens_hit)
+        yield self._family(CounterMetricFamily, "num_preemptions", "Preemptions (of finished requests).",
+                           stats.num_preemptions)
         success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason, n in sorted(stats.finished.items()):

@@ -64,31 +64,33 @@ class OpenAIServingChat:
         params = sampling_params(req, max_tokens, logprobs)
         [(_, stream)] = submit(self.core, [self.render(req)], params, "messages")
         request_id, model = random_id("chatcmpl"), self.served_names[0]
+        name = self.names.namer(req.return_tokens_as_token_ids)
         if req.stream:
-            return StreamingResponse(self._stream(request_id, model, stream, req.include_usage),
+            return StreamingResponse(self._stream(request_id, model, stream, req.include_usage, name),
                                      media_type="text/event-stream")
         [out] = await read_all(self.core, [stream])
         choice = ChatChoice(index=0, message=ChatMessageOut(content=out.text),
-                            logprobs=self._logprobs(out), finish_reason=out.finish_reason,
+                            logprobs=self._logprobs(out, name), finish_reason=out.finish_reason,
                             stop_reason=out.stop_reason)
         return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage([out]))
 
-    def _top(self, token: int, logprob: float) -> TopLogprob:
-        name = self.names.name(token)
-        return TopLogprob(token=name, logprob=logprob, bytes=list(name.encode()))
+    @staticmethod
+    def _top(token: int, logprob: float, name) -> TopLogprob:
+        text = name(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    def _logprobs(self, out: StreamOutput) -> ChatLogprobs | None:
+    def _logprobs(self, out: StreamOutput, name) -> ChatLogprobs | None:
         if out.logprobs is None:
             return None
         content = []
         for token, entry in zip(out.token_ids, out.logprobs):
             top = sorted(entry.items(), key=lambda kv: -kv[1])
-            sampled = self._top(token, entry[token])
+            sampled = self._top(token, entry[token], name)
             content.append(ChatLogprobToken(**sampled.model_dump(),
-                                            top_logprobs=[self._top(t, v) for t, v in top]))
+                                            top_logprobs=[self._top(t, v, name) for t, v in top]))
         return ChatLogprobs(content=content)
 
-    async def _stream(self, request_id, model, stream, include_usage):
+    async def _stream(self, request_id, model, stream, include_usage, name):
         chunk = lambda choice, **kw: sse(ChatCompletionChunk(  # noqa: E731
             id=request_id, model=model, choices=[choice] if choice else [], **kw))
         final = None
@@ -100,7 +102,7 @@ class OpenAIServingChat:
                     if out.text or out.finished or out.logprobs:
                         yield chunk(ChatStreamChoice(
                             index=0, delta=DeltaMessage(content=out.text or None),
-                            logprobs=self._logprobs(out),
+                            logprobs=self._logprobs(out, name),
                             finish_reason=out.finish_reason if out.finished else None))
             if include_usage:
                 yield chunk(None, usage=usage([final]))

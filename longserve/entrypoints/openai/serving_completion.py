@@ -44,39 +44,42 @@ class OpenAIServingCompletion:
         params = sampling_params(req, req.max_tokens, req.logprobs)
         submitted = submit(self.core, normalize_prompts(req.prompt), params, "prompt")
         echoes = [self._echo(r) if req.echo else "" for r, _ in submitted]
+        name = self.names.namer(req.return_tokens_as_token_ids)
         streams = [s for _, s in submitted]
         request_id, model = random_id("cmpl"), self.served_names[0]
         if req.stream:
-            return StreamingResponse(self._stream(request_id, model, streams, echoes, req.include_usage),
-                                     media_type="text/event-stream")
+            body = self._stream(request_id, model, streams, echoes, req.include_usage, name)
+            return StreamingResponse(body, media_type="text/event-stream")
         outs = await read_all(self.core, streams)
-        choices = [self._choice(i, out, echoes[i], 0) for i, out in enumerate(outs)]
+        choices = [self._choice(i, out, echoes[i], 0, name) for i, out in enumerate(outs)]
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs))
 
     def _echo(self, request) -> str:
         return request.prompt if request.prompt is not None else \
             self.core.engine.decode(request.prompt_token_ids)
 
-    def _choice(self, index: int, out: StreamOutput, prefix: str, text_offset: int) -> CompletionChoice:
+    def _choice(self, index: int, out: StreamOutput, prefix: str, text_offset: int,
+                name) -> CompletionChoice:
         return CompletionChoice(index=index, text=prefix + out.text,
-                                logprobs=self._logprobs(out, text_offset),
+                                logprobs=self._logprobs(out, text_offset, name),
                                 finish_reason=out.finish_reason if out.finished else None,
                                 stop_reason=out.stop_reason if out.finished else None)
 
-    def _logprobs(self, out: StreamOutput, offset: int) -> CompletionLogprobs | None:
+    @staticmethod
+    def _logprobs(out: StreamOutput, offset: int, name) -> CompletionLogprobs | None:
         if out.logprobs is None:
             return None
         lp = CompletionLogprobs()
         for token, entry in zip(out.token_ids, out.logprobs):
-            name = self.names.name(token)
-            lp.tokens.append(name)
+            text = name(token)
+            lp.tokens.append(text)
             lp.token_logprobs.append(entry.get(token))
-            lp.top_logprobs.append({self.names.name(t): v for t, v in entry.items()})
+            lp.top_logprobs.append({name(t): v for t, v in entry.items()})
             lp.text_offset.append(offset)
-            offset += len(name)
+            offset += len(text)
         return lp
 
-    async def _stream(self, request_id, model, streams, echoes, include_usage):
+    async def _stream(self, request_id, model, streams, echoes, include_usage, name):
         outs: dict[int, StreamOutput] = {}
         offsets = [0] * len(streams)
         try:
@@ -86,7 +89,7 @@ class OpenAIServingCompletion:
                     outs[index] = out if index not in outs else outs[index].merged(out)
                     if not (prefix or out.text or out.finished or out.logprobs):
                         continue  # tokens whose text is held back (a character or a stop string unfinished)
-                    choice = self._choice(index, out, prefix, offsets[index])
+                    choice = self._choice(index, out, prefix, offsets[index], name)
                     offsets[index] += len(out.text)
                     yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
             if include_usage:

@@ -137,6 +137,9 @@ class TokenNames:
         self.tokenizer = tokenizer
         self.name = lru_cache(maxsize=65536)(self._name)
 
+    def namer(self, as_ids: bool):
+        return (lambda t: f"token_id:{t}") if as_ids else self.name
+
     def _name(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
