@@ -126,10 +126,12 @@ def test_completion_stream_equals_nonstream_equals_generate(server, client, ref)
 def test_token_id_prompts_and_batches(server, client, ref):
     prompts = [[1, 40, 41, 42], [1, 7, 8, 9, 10, 11]]
     out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0,
-                                    extra_body=dict(ignore_eos=True))
+                                    extra_body=dict(ignore_eos=True, return_token_ids=True))
     want = ref.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [w.outputs[0].text for w in want]
+    choices = sorted(out.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [w.outputs[0].text for w in want]
+    assert [c.token_ids for c in choices] == [w.outputs[0].token_ids for w in want]
     assert out.usage.prompt_tokens == 10 and out.usage.completion_tokens == 12
     echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("Hello there")

@@ -49,6 +49,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
+    return_token_ids: bool = False  # vLLM's: choices carry the output token ids (a chunk per step)
 
     @property
     def include_usage(self) -> bool:
@@ -104,6 +105,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

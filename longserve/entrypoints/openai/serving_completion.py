@@ -48,22 +48,24 @@ class OpenAIServingCompletion:
         streams = [s for _, s in submitted]
         request_id, model = random_id("cmpl"), self.served_names[0]
         if req.stream:
-            body = self._stream(request_id, model, streams, echoes, req.include_usage, name)
+            body = self._stream(request_id, model, streams, echoes, req, name)
             return StreamingResponse(body, media_type="text/event-stream")
         outs = await read_all(self.core, streams)
-        choices = [self._choice(i, out, echoes[i], 0, name) for i, out in enumerate(outs)]
+        choices = [self._choice(i, out, echoes[i], 0, name, req.return_token_ids)
+                   for i, out in enumerate(outs)]
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs))
 
     def _echo(self, request) -> str:
         return request.prompt if request.prompt is not None else \
             self.core.engine.decode(request.prompt_token_ids)
 
-    def _choice(self, index: int, out: StreamOutput, prefix: str, text_offset: int,
-                name) -> CompletionChoice:
+    def _choice(self, index: int, out: StreamOutput, prefix: str, text_offset: int, name,
+                with_ids: bool) -> CompletionChoice:
         return CompletionChoice(index=index, text=prefix + out.text,
                                 logprobs=self._logprobs(out, text_offset, name),
                                 finish_reason=out.finish_reason if out.finished else None,
-                                stop_reason=out.stop_reason if out.finished else None)
+                                stop_reason=out.stop_reason if out.finished else None,
+                                token_ids=out.token_ids if with_ids else None)
 
     @staticmethod
     def _logprobs(out: StreamOutput, offset: int, name) -> CompletionLogprobs | None:
@@ -79,7 +81,7 @@ class OpenAIServingCompletion:
             offset += len(text)
         return lp
 
-    async def _stream(self, request_id, model, streams, echoes, include_usage, name):
+    async def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, name):
         outs: dict[int, StreamOutput] = {}
         offsets = [0] * len(streams)
         try:
@@ -87,12 +89,12 @@ class OpenAIServingCompletion:
                 async for index, out in deltas:
                     prefix = echoes[index] if index not in outs else ""
                     outs[index] = out if index not in outs else outs[index].merged(out)
-                    if not (prefix or out.text or out.finished or out.logprobs):
+                    if not (prefix or out.text or out.finished or out.logprobs or req.return_token_ids):
                         continue  # tokens whose text is held back (a character or a stop string unfinished)
-                    choice = self._choice(index, out, prefix, offsets[index], name)
+                    choice = self._choice(index, out, prefix, offsets[index], name, req.return_token_ids)
                     offsets[index] += len(out.text)
                     yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
-            if include_usage:
+            if req.include_usage:
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[],
                                              usage=usage(list(outs.values()))))
         except Exception as e:  # the engine failed mid-stream: tell the client, then end
