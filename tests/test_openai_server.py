@@ -212,7 +212,8 @@ def test_64_concurrent_streams_finish_and_the_pool_is_whole(server):
 @pytest.mark.timeout(120)
 def test_client_disconnects_mid_stream_free_their_blocks(server):
     before = metric(metrics(server), "vllm:request_success_total", finished_reason="abort")
-    body = dict(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=200, stream=True, ignore_eos=True)
+    body = dict(model=MODEL, prompt=[1, 2, 3, 4, 5], max_tokens=200, stream=True, ignore_eos=True,
+                return_token_ids=True)  # a chunk every step, even while text is held back
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for _ in range(4):
             with http.stream("POST", "/v1/completions", json=body) as resp:

@@ -71,18 +71,23 @@ def test_tp2_server_matches_one_rank_and_sigterm_drains_and_leaves_no_process(tm
 
         def stream():  # in flight when SIGTERM comes: it is drained, not cut
             with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                              json=dict(model=MODEL, prompt="Hello", max_tokens=40, stream=True,
-                                        ignore_eos=True)) as resp:
+                              json=dict(model=MODEL, prompt="Hello", max_tokens=60, stream=True,
+                                        ignore_eos=True, return_token_ids=True)) as resp:
                 for line in filter(None, resp.iter_lines()):
                     lines.append(line)
                     started.set()
         reader = threading.Thread(target=stream)
         reader.start()
         assert started.wait(60)
+        at_signal = len(lines)
         proc.send_signal(signal.SIGTERM)
         reader.join(60)
         assert proc.wait(60) in (0, -signal.SIGTERM)
         assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
+        assert len(lines) > at_signal + 2  # tokens kept coming after SIGTERM: drained, not cut
+        deadline = time.monotonic() + 10  # (multiprocessing's resource tracker leaves on EOF)
+        while not all(gone(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert all(gone(pid) for pid in workers)
     finally:
         if proc.poll() is None:
