@@ -132,6 +132,11 @@ def test_token_id_prompts_and_batches(server, client, ref):
     choices = sorted(out.choices, key=lambda c: c.index)
     assert [c.text for c in choices] == [w.outputs[0].text for w in want]
     assert [c.token_ids for c in choices] == [w.outputs[0].token_ids for w in want]
+    texts = ["", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0,
+                                           stream=True, extra_body=dict(ignore_eos=True)):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [w.outputs[0].text for w in want]
     assert out.usage.prompt_tokens == 10 and out.usage.completion_tokens == 12
     echo = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("Hello there")

@@ -79,30 +79,49 @@ def unavailable(e: Exception) -> OpenAIError:
 async def read_streams(core: EngineCore, streams: list):
     """(index, delta) from all streams as they come; on exit aborts every unfinished request
     (a client that went away leaves nothing running and no KV block held)."""
-    queue: asyncio.Queue = asyncio.Queue()
     unfinished = {s.request_id for s in streams}
+    source = _one(streams[0]) if len(streams) == 1 else _interleaved(streams)
+    try:
+        async with aclosing(source) as items:
+            async for index, out in items:
+                if out.finished:
+                    unfinished.discard(out.request_id)
+                yield index, out
+    except EngineDeadError as e:
+        raise unavailable(e) from None
+    finally:
+        for request_id in unfinished:
+            core.abort(request_id)
+
+
+async def _one(stream):
+    async for out in stream:
+        yield 0, out
+
+
+async def _interleaved(streams: list):
+    queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index, stream):
         try:
             async for out in stream:
                 queue.put_nowait((index, out))
-        except BaseException as e:
+        except Exception as e:
             queue.put_nowait((index, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        while unfinished:
-            index, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise unavailable(item) if isinstance(item, EngineDeadError) else item
-            if item.finished:
-                unfinished.discard(item.request_id)
-            yield index, item
+        for _ in range(len(streams)):  # until each stream finished (or failed)
+            while True:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield index, item
+                if item.finished:
+                    break
     finally:
         for task in tasks:
             task.cancel()
-        for request_id in unfinished:
-            core.abort(request_id)
 
 
 async def read_all(core: EngineCore, streams: list) -> list[StreamOutput]:
