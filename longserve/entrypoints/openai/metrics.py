@@ -35,21 +35,21 @@ class EngineCollector(Collector):
         core = self.get_core()
         if core is None:  # still loading
             return
-        sched, kv, stats = core.engine.scheduler, core.engine.kv, core.stats
+        stats, (queried, hits) = core.stats, core.prefix_cache_tokens()
         yield self._family(GaugeMetricFamily, "num_requests_running", "Requests in model steps.",
-                           len(sched.running))
+                           core.num_running)
         yield self._family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to run.",
                            core.num_waiting)
         yield self._family(GaugeMetricFamily, "kv_cache_usage_perc",
-                           "KV-cache usage: 1 means 100 percent of the blocks are in use.", kv.usage())
+                           "KV-cache usage: 1 means 100 percent of the blocks are in use.", core.kv_cache_usage())
         yield self._family(CounterMetricFamily, "prompt_tokens", "Prefill tokens processed.",
                            stats.prompt_tokens)
         yield self._family(CounterMetricFamily, "generation_tokens", "Generation tokens produced.",
                            stats.generation_tokens)
         yield self._family(CounterMetricFamily, "prefix_cache_queries",
-                           "Prompt tokens looked up in the prefix cache.", kv.num_cached_tokens_queried)
+                           "Prompt tokens looked up in the prefix cache.", queried)
         yield self._family(CounterMetricFamily, "prefix_cache_hits",
-                           "Prompt tokens found in the prefix cache.", kv.num_cached_tokens_hit)
+                           "Prompt tokens found in the prefix cache.", hits)
         yield self._family(CounterMetricFamily, "num_preemptions", "Preemptions (of finished requests).",
                            stats.num_preemptions)
         success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
