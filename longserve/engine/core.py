@@ -48,6 +48,8 @@ class StreamOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    kv_transfer_params: dict | None = None  # at the end, for a disaggregated decode instance
+    error: str | None = None  # at the end: why the request failed alone (finish_reason "error")
 
     def merged(self, later: "StreamOutput") -> "StreamOutput":
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
@@ -251,8 +253,9 @@ class EngineCore:
         req = tracked.request
         new_ids = req.output_token_ids[tracked.num_sent:]
         self._count_tokens(tracked, len(new_ids), now)
-        final_text = self.engine.to_output(req).outputs[0].text  # what LLM.generate returns
-        out = self._output(tracked, new_ids, final_text[tracked.text_sent:])
+        final = self.engine.to_output(req)  # what LLM.generate returns
+        out = self._output(tracked, new_ids, final.outputs[0].text[tracked.text_sent:])
+        out.kv_transfer_params, out.error = final.kv_transfer_params, final.error
         out.finished, out.finish_reason = True, req.finish_reason or "abort"
         out.stop_reason = req.stop_reason
         self.stats.finished[out.finish_reason] += 1

@@ -50,6 +50,7 @@ class SamplingFields(BaseModel):
     user: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: choices carry the output token ids (a chunk per step)
+    kv_transfer_params: dict | None = None  # prefill/decode disaggregation (longserve proxy)
 
     @property
     def include_usage(self) -> bool:
@@ -115,6 +116,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict | None = None
 
 
 class TopLogprob(BaseModel):
@@ -163,6 +165,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -12,7 +12,8 @@ from longserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChu
                                                    ChatLogprobs, ChatLogprobToken, ChatMessageOut,
                                                    ChatStreamChoice, DeltaMessage, OpenAIError,
                                                    TopLogprob, random_id)
-from longserve.entrypoints.openai.serving_engine import (TokenNames, check_model, read_all,
+from longserve.entrypoints.openai.serving_engine import (TokenNames, check_errors, check_model,
+                                                         read_all,
                                                          read_streams, sampling_params, sse,
                                                          sse_error, submit, usage)
 
@@ -69,10 +70,12 @@ class OpenAIServingChat:
             return StreamingResponse(self._stream(request_id, model, stream, req.include_usage, name),
                                      media_type="text/event-stream")
         [out] = await read_all(self.core, [stream])
+        check_errors([out])
         choice = ChatChoice(index=0, message=ChatMessageOut(content=out.text),
                             logprobs=self._logprobs(out, name), finish_reason=out.finish_reason,
                             stop_reason=out.stop_reason)
-        return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage([out]))
+        return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage([out]),
+                                      kv_transfer_params=out.kv_transfer_params)
 
     @staticmethod
     def _top(token: int, logprob: float, name) -> TopLogprob:
@@ -99,6 +102,7 @@ class OpenAIServingChat:
             async with aclosing(read_streams(self.core, [stream])) as deltas:
                 async for _, out in deltas:
                     final = out if final is None else final.merged(out)
+                    check_errors([out])
                     if out.text or out.finished or out.logprobs:
                         yield chunk(ChatStreamChoice(
                             index=0, delta=DeltaMessage(content=out.text or None),

@@ -9,7 +9,8 @@ from longserve.engine.core import EngineCore, StreamOutput
 from longserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                    CompletionRequest, CompletionResponse,
                                                    OpenAIError, random_id)
-from longserve.entrypoints.openai.serving_engine import (TokenNames, check_model, read_all,
+from longserve.entrypoints.openai.serving_engine import (TokenNames, check_errors, check_model,
+                                                         kv_transfer_params, read_all,
                                                          read_streams, sampling_params, sse,
                                                          sse_error, submit, usage)
 
@@ -51,9 +52,11 @@ class OpenAIServingCompletion:
             body = self._stream(request_id, model, streams, echoes, req, name)
             return StreamingResponse(body, media_type="text/event-stream")
         outs = await read_all(self.core, streams)
+        check_errors(outs)
         choices = [self._choice(i, out, echoes[i], 0, name, req.return_token_ids)
                    for i, out in enumerate(outs)]
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs))
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs),
+                                  kv_transfer_params=kv_transfer_params(outs))
 
     def _echo(self, request) -> str:
         return request.prompt if request.prompt is not None else \
@@ -89,6 +92,7 @@ class OpenAIServingCompletion:
                 async for index, out in deltas:
                     prefix = echoes[index] if index not in outs else ""
                     outs[index] = out if index not in outs else outs[index].merged(out)
+                    check_errors([out])
                     if not (prefix or out.text or out.finished or out.logprobs or req.return_token_ids):
                         continue  # tokens whose text is held back (a character or a stop string unfinished)
                     choice = self._choice(index, out, prefix, offsets[index], name, req.return_token_ids)

@@ -39,7 +39,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None)
     except (ValueError, TypeError) as e:
         raise OpenAIError(str(e), param=_param_of(str(e))) from None
 
@@ -122,6 +123,17 @@ async def _interleaved(streams: list):
     finally:
         for task in tasks:
             task.cancel()
+
+
+def check_errors(outs: list[StreamOutput]) -> None:
+    """A request that failed alone (e.g. its KV could not be loaded) answers 500."""
+    for out in outs:
+        if out.error:
+            raise OpenAIError(out.error, 500, "server_error", code="request_failed")
+
+
+def kv_transfer_params(outs: list[StreamOutput]) -> dict | None:
+    return next((o.kv_transfer_params for o in outs if o.kv_transfer_params), None)
 
 
 async def read_all(core: EngineCore, streams: list) -> list[StreamOutput]:
