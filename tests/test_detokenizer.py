@@ -3,10 +3,10 @@ the full decode, never ends in a split character, and the rest at finish complet
 from hypothesis import given, settings, strategies as st
 
 from longserve.engine.detokenizer import IncrementalDetokenizer
-from longserve.engine.llm_engine import load_tokenizer
+from longserve.tokenizer import folder_tokenizer
 from longserve.models.builtin import resolve_model
 
-TOKENIZER = load_tokenizer(resolve_model("builtin:llama-tiny"))  # byte-level BPE, 512 tokens
+TOKENIZER = folder_tokenizer(resolve_model("builtin:llama-tiny"))[0]  # byte-level BPE, 512 tokens
 REPLACEMENT = "\ufffd"
 # text with multi-byte characters (2, 3 and 4 bytes in UTF-8) among the corpus's ASCII
 TEXT = st.text(alphabet=st.sampled_from(list("ab the fox,.\n") + list("éß中文€😀🙂ü")), max_size=40)

@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from longserve import LLM, SamplingParams
 from longserve.engine.core import EngineCore
 from longserve.engine.executor import free_port
-from longserve.entrypoints.chat_utils import render_chat
 from longserve.entrypoints.openai.api_server import build_app
 
 MODEL = "builtin:llama-tiny"
@@ -149,8 +148,7 @@ def test_chat_stream_equals_nonstream_equals_generate(server, client, ref):
               top_logprobs=2, extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True))
     full = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-    text = render_chat(TEMPLATE, messages, True)
-    ids = ref.get_tokenizer().encode(text, add_special_tokens=False).ids
+    ids = ref.engine.encode_chat(messages, TEMPLATE)["prompt_token_ids"]
     want = ref.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     got = full.choices[0]

@@ -1,12 +1,12 @@
 """POST /v1/chat/completions: messages rendered by the model's chat template, then one completion."""
 from __future__ import annotations
 
+import os
 from contextlib import aclosing
 
 from starlette.responses import StreamingResponse
 
 from longserve.engine.core import EngineCore, StreamOutput
-from longserve.entrypoints.chat_utils import load_chat_template, render_chat, special_tokens
 from longserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                    ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatLogprobToken, ChatMessageOut,
@@ -35,26 +35,20 @@ class OpenAIServingChat:
     def __init__(self, core: EngineCore, served_names: list[str], chat_template: str | None = None):
         self.core = core
         self.served_names = served_names
-        path = core.config.model.path
-        self.template = load_chat_template(path, chat_template)
-        self.tokens = special_tokens(path)
+        if chat_template and os.path.isfile(chat_template):  # --chat-template: a file or the text
+            with open(chat_template) as f:
+                chat_template = f.read()
+        self.template = chat_template or None  # None: the tokenizer's
         self.names = TokenNames(core.engine.tokenizer)
 
     def render(self, req: ChatCompletionRequest) -> dict:
         """The prompt as the engine takes it (token ids: the template already holds BOS)."""
-        if self.template is None:
-            raise OpenAIError("the model has no chat template (tokenizer_config.json has no "
-                              "chat_template); start the server with --chat-template", param="messages")
-        if self.core.engine.tokenizer is None:
-            raise OpenAIError("the model has no tokenizer.json; chat needs one", param="messages")
         try:
-            text = render_chat(self.template, message_dicts(req), req.add_generation_prompt, **self.tokens)
+            return self.core.engine.encode_chat(message_dicts(req), self.template, req.add_generation_prompt)
         except OpenAIError:
             raise
-        except Exception as e:  # the template refused the messages (e.g. roles out of order)
-            raise OpenAIError(f"the chat template failed on these messages: {e}", param="messages") from None
-        ids = self.core.engine.tokenizer.encode(text, add_special_tokens=False).ids
-        return {"prompt_token_ids": ids, "prompt": text}
+        except Exception as e:  # no template, or the template refused the messages
+            raise OpenAIError(f"chat template: {e}", param="messages") from None
 
     async def create_chat_completion(self, req: ChatCompletionRequest):
         check_model(req.model, self.served_names)
