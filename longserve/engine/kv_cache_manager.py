@@ -45,7 +45,8 @@ class KVCacheManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.newly_allocated: list[int] = []  # blocks handed out since the last drain (to zero)
-        self.num_cached_tokens_hit = 0
+        self.num_cached_tokens_hit = 0  # prompt tokens found in the prefix cache
+        self.num_cached_tokens_queried = 0  # prompt tokens looked up
         self.on_evict = None  # (block id, block hash) -> None: a cached block is taken for new data
 
     # ---- pool -------------------------------------------------------------------------

@@ -154,6 +154,7 @@ class Scheduler:
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, req.block_ids, external)
             self.kv.num_cached_tokens_hit += num_computed
+            self.kv.num_cached_tokens_queried += req.num_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

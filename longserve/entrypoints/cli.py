@@ -1,4 +1,4 @@
-"""The `longserve` command: `generate`, `chat` and `bench`, with vLLM's flag names."""
+"""The `longserve` command: `generate`, `chat`, `bench` and `serve`, with vLLM's flag names."""
 from __future__ import annotations
 
 import argparse
@@ -136,6 +136,41 @@ def cmd_bench(args) -> None:
     llm.shutdown()
 
 
+def cmd_serve(args) -> None:
+    """`longserve serve MODEL`: the OpenAI-compatible HTTP server (see entrypoints/openai)."""
+    import logging
+
+    from longserve.engine.core import EngineCore
+    from longserve.entrypoints.openai.api_server import run_server
+    args.model = args.model_tag or args.model
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    keep = []  # the LLM owns the engine; it must outlive the server
+
+    def load_core():
+        keep.append(make_llm(args))
+        return EngineCore(keep[0].engine, max_waiting=args.max_waiting)
+
+    names = args.served_model_name or [args.model]
+    sys.exit(run_server(load_core, names, args.host, args.port, args.api_key, args.chat_template,
+                        args.shutdown_timeout, args.uvicorn_log_level))
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", help="the model (same as --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the model argument)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file or text); default: the tokenizer's")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests waiting to run before new ones get 503")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may drain after Ctrl-C / SIGTERM")
+    p.add_argument("--uvicorn-log-level", default="info")
+
+
 def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompt-file", help="a file with one prompt per line")
@@ -165,6 +200,10 @@ def main(argv=None) -> None:
     bench.add_argument("--output-len", type=int, default=32)
     bench.add_argument("--num-prompts", type=int, default=16)
     bench.set_defaults(func=cmd_bench)
+    serve = sub.add_parser("serve", help="serve the OpenAI HTTP API (completions, chat, metrics)")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     proxy = sub.add_parser("proxy", help="one endpoint in front of a prefill and a decode instance")
     from longserve.entrypoints.proxy import add_proxy_args, cmd_proxy
     add_proxy_args(proxy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import signal
 import sys
 import time
 import traceback
@@ -143,6 +144,8 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
     the driver can name a rank that stopped answering."""
     if os.environ.get("LONGSERVE_TEST_WORKER_EXIT") == str(rank):  # test hook: die before joining
         os._exit(7)
+    # Ctrl-C reaches the whole process group: the driver decides (drain, then SHUTDOWN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = Worker(config, rank, init_method, local_rank)
         worker.init_cache(worker.determine_num_blocks())

@@ -1,0 +1,256 @@
+"""Online serving: `longserve serve` under a Poisson request-rate sweep, against offline
+`LLM.generate` on the same workload, in one run.
+
+Workload: N prompts x (input-len random token ids + output-len tokens), greedy, ignore_eos.
+Per rate: time to first token and inter-token latency (p50 / p99), output tokens/s, through
+our own async client (httpx, streamed /v1/completions with vLLM's `return_token_ids`, so every
+step's tokens arrive in a chunk even when their text is held back). Also, in the same run:
+offline `LLM.generate` output tokens/s on the same workload (the saturation target: the
+server at rate=inf within 10% of it) and one decode step at batch 1 (the low-load target:
+p50 ITL within 1.2x of it). Writes JSON and, with matplotlib installed, a plot.
+
+Engine flags (everything this script does not know) go both to the offline LLM and to the
+server, e.g. on one GPU:
+  python benchmarks/bench_serving.py --num-prompts 256 --input-len 1024 --output-len 256 \
+      --rates 1,4,16,64,inf -- --model builtin:qwen3-0.6b-shape --load-format dummy \
+      --max-num-seqs 256 --max-model-len 1300
+and at tiny sizes on CPU:
+  python benchmarks/bench_serving.py --num-prompts 16 --input-len 32 --output-len 16 \
+      --rates 2,inf -- --model builtin:llama-tiny --device cpu --max-model-len 256
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from longserve import SamplingParams
+from longserve.engine.executor import free_port
+from longserve.entrypoints.cli import add_engine_args, make_llm
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, min(vocab, 10 ** 9) - 100, (n, length)).tolist()
+
+
+def vocab_size(engine_args) -> int:
+    from longserve.config import ModelConfig
+    from longserve.models.builtin import resolve_model
+    return ModelConfig.from_pretrained(resolve_model(engine_args.model, engine_args.seed)).vocab_size
+
+
+# ---- offline: the same workload through LLM.generate, and one decode step -------------
+def sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def offline(engine_args, args, vocab: int) -> dict:
+    llm = make_llm(engine_args)
+    device, n = llm.config.device, args.num_prompts
+    greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    warm = [{"prompt_token_ids": p} for p in random_prompts(vocab, n, args.input_len, 7)]
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(vocab, n, args.input_len, 0)]
+    sync(device)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    sync(device)
+    elapsed = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    step = decode_step_time(llm, vocab, args.input_len)
+    llm.shutdown()
+    del llm, outs
+    gc.collect()
+    if device == "cuda":
+        import torch
+        torch.cuda.empty_cache()
+    return dict(elapsed_s=round(elapsed, 3), out_tok_s=round(n_out / elapsed, 1),
+                decode_step_ms=round(1e3 * step, 3))
+
+
+def decode_step_time(llm, vocab: int, ctx: int) -> float:
+    """Median engine step (host work included) of one request decoding at context ~ctx."""
+    eng, times = llm.engine, []
+    [prompt] = random_prompts(vocab, 1, ctx, 3)
+    eng.add_request(eng.make_request({"prompt_token_ids": prompt},
+                                     SamplingParams(max_tokens=34, ignore_eos=True)))
+    eng.step()  # the prefill
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        eng.step()  # returns after the sampled token reached the host
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[2:]))
+
+
+# ---- the server ----------------------------------------------------------------------
+def start_server(extra: list[str], port: int, timeout: float) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "longserve.entrypoints.cli", "serve", *extra, "--port", str(port),
+           "--max-waiting", "1000000", "--uvicorn-log-level", "warning"]
+    proc = subprocess.Popen(cmd)
+    import httpx
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the server did not become healthy")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
+async def one_request(client, model: str, prompt: list[int], max_tokens: int, delay: float, t0: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                stream=True, return_token_ids=True)
+    sent, times, counts = time.perf_counter(), [], []
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            k = len(chunk["choices"][0].get("token_ids") or [])
+            if k:
+                times.append(time.perf_counter())
+                counts.append(k)
+    itl = [(b - a) / k for a, b, k in zip(times, times[1:], counts[1:]) for _ in range(k)]
+    return dict(sent=sent, ttft=times[0] - sent, itl=itl, done=times[-1], tokens=sum(counts))
+
+
+async def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, seed: int) -> dict:
+    import httpx
+    rng = np.random.default_rng(seed)
+    gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
+    delays = np.cumsum(gaps) - gaps[0]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*[one_request(client, model, p, max_tokens, d, t0)
+                                     for p, d in zip(prompts, delays)])
+    assert all(r["tokens"] == max_tokens for r in res), "a request came back short"
+    span = max(r["done"] for r in res) - min(r["sent"] for r in res)
+    ttft = np.array([r["ttft"] for r in res])
+    itl = np.array([x for r in res for x in r["itl"]] or [0.0])
+    ms = lambda a, q: round(1e3 * float(np.percentile(a, q)), 2)  # noqa: E731
+    return dict(rate=rate, duration_s=round(span, 3), req_s=round(len(res) / span, 3),
+                out_tok_s=round(sum(r["tokens"] for r in res) / span, 1),
+                ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(itl, 50),
+                itl_p99_ms=ms(itl, 99))
+
+
+def sweep(args, model: str, vocab: int, url: str) -> list[dict]:
+    n = args.num_prompts
+    warm = random_prompts(vocab, n, args.input_len, 7)  # the same batch shapes as the timed runs
+    asyncio.run(run_rate(url, model, warm, 8, float("inf"), 0))
+    rows = []
+    for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+        prompts = random_prompts(vocab, n, args.input_len, 100 + i)  # no prefix-cache hits
+        rows.append(asyncio.run(run_rate(url, model, prompts, args.output_len, rate, i)))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ---- report --------------------------------------------------------------------------
+def report(result: dict, out: str) -> None:
+    off, rows = result["offline"], result["rates"]
+    print("\n| request rate (req/s) | achieved req/s | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['rate']} | {r['req_s']} | {r['out_tok_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
+              f"{r['itl_p50_ms']} / {r['itl_p99_ms']} |")
+    if off:
+        print(f"| offline LLM.generate | | {off['out_tok_s']} | | decode step at batch 1: "
+              f"{off['decode_step_ms']} |")
+        t = result["targets"]
+        print(f"\nsaturation: server / offline output tok/s = {t['saturation_over_offline']} (target >= 0.9); "
+              f"lowest rate: p50 ITL / decode step = {t['low_load_itl_over_step']} (target <= 1.2)")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    plot(rows, os.path.splitext(out)[0] + ".png")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    x = [r["req_s"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99")):
+        a.plot(x, [r[key] for r in rows], marker="o", label=label)
+    for key, label in (("itl_p50_ms", "ITL p50"), ("itl_p99_ms", "ITL p99")):
+        b.plot(x, [r[key] for r in rows], marker="o", label=label)
+    for ax, title in ((a, "time to first token"), (b, "inter-token latency")):
+        ax.set(xlabel="achieved request rate (req/s)", ylabel="ms", title=title, yscale="log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--rates", default="1,4,16,64,inf", help="request rates (req/s), inf: all at once")
+    ap.add_argument("--out", default="serving.json", help="JSON results (the plot goes next to it)")
+    ap.add_argument("--url", default=None, help="an already running server (skips starting one)")
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    args, extra = ap.parse_known_args()
+    extra = [x for x in extra if x != "--"]
+    engine_ap = argparse.ArgumentParser()
+    add_engine_args(engine_ap)
+    engine_args = engine_ap.parse_args(extra)
+    vocab = vocab_size(engine_args)
+    result = dict(workload=dict(num_prompts=args.num_prompts, input_len=args.input_len,
+                                output_len=args.output_len), engine_flags=extra, offline=None)
+    if not args.skip_offline:
+        result["offline"] = offline(engine_args, args, vocab)
+        print(json.dumps({"offline": result["offline"]}), flush=True)
+    proc = None
+    if args.url is None:
+        port = free_port()
+        proc = start_server(extra, port, args.server_timeout)
+        args.url = f"http://127.0.0.1:{port}"
+    try:
+        result["rates"] = sweep(args, engine_args.model, vocab, args.url)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    if result["offline"]:
+        rows, off = result["rates"], result["offline"]
+        sat = max(rows, key=lambda r: r["rate"])
+        low = min(rows, key=lambda r: r["rate"])
+        result["targets"] = dict(saturation_over_offline=round(sat["out_tok_s"] / off["out_tok_s"], 3),
+                                 low_load_itl_over_step=round(low["itl_p50_ms"] / off["decode_step_ms"], 3))
+    report(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one engine core, served by uvicorn.
+
+The engine loads on a thread after the port is open: until it is ready (and after a fatal
+engine error) /health and /v1/* answer 503. Shutdown (Ctrl-C, SIGTERM): uvicorn stops
+accepting and lets in-flight requests drain for --shutdown-timeout seconds, then the core
+aborts what is left and stops the workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from longserve.engine.core import EngineCore
+from longserve.entrypoints.openai.metrics import make_registry
+from longserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                   ModelCard, ModelList, OpenAIError)
+from longserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from longserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("longserve.server")
+
+
+@dataclass
+class ServerState:
+    served_names: list[str]
+    api_key: str | None = None
+    chat_template: str | None = None
+    core: EngineCore | None = None
+    load_error: str | None = None
+    completion: OpenAIServingCompletion | None = None
+    chat: OpenAIServingChat | None = None
+    registry: object = field(default=None)
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.code == "overloaded" else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def build_app(load_core: Callable[[], EngineCore], served_names: list[str], api_key: str | None = None,
+              chat_template: str | None = None,
+              on_load_error: Callable[[], None] | None = None) -> FastAPI:
+    """`load_core` builds the engine core (on a thread, after the server starts listening)."""
+    state = ServerState(served_names, api_key, chat_template)
+    state.registry = make_registry(lambda: state.core, served_names[0])
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(_load(state, load_core, on_load_error))
+        yield
+        await asyncio.shield(loading)  # a thread cannot be cancelled: let it finish, then stop it
+        if state.core is not None:
+            await asyncio.to_thread(state.core.shutdown)
+
+    app = FastAPI(title="LongServe", lifespan=lifespan)
+    app.state.longserve = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    return app
+
+
+async def _load(state: ServerState, load_core, on_load_error) -> None:
+    try:
+        core = await asyncio.to_thread(load_core)
+        state.completion = OpenAIServingCompletion(core, state.served_names)
+        state.chat = OpenAIServingChat(core, state.served_names, state.chat_template)
+        state.core = core
+        logger.info("the engine is ready: serving %s", state.served_names[0])
+    except Exception as e:
+        logger.exception("the engine failed to start")
+        state.load_error = f"the engine failed to start: {type(e).__name__}: {e}"
+        if on_load_error is not None:
+            on_load_error()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_, e: OpenAIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return error_response(OpenAIError(f"{param or 'request'}: {err.get('msg')}", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        return error_response(OpenAIError(str(e.detail), e.status_code,
+                                          "not_found_error" if e.status_code == 404 else "invalid_request_error"))
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    async def ready() -> EngineCore:
+        if state.core is None:
+            raise OpenAIError(state.load_error or "the model is still loading; try again shortly",
+                              503, "server_error", code="loading")
+        if not state.core.healthy:
+            raise OpenAIError(state.core.error or "the engine is shutting down", 503, "server_error",
+                              code="engine_dead")
+        return state.core
+
+    async def authorized(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            raise OpenAIError("invalid API key (send Authorization: Bearer <key>)", 401,
+                              "authentication_error", code="invalid_api_key")
+
+    v1 = [Depends(authorized), Depends(ready)]
+
+    @app.get("/health")
+    async def health():
+        await ready()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        max_len = state.core.config.scheduler.max_model_len
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in state.served_names])
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest):
+        return await state.completion.create_completion(body)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest):
+        return await state.chat.create_chat_completion(body)
+
+
+def run_server(load_core: Callable[[], EngineCore], served_names: list[str], host: str = "127.0.0.1",
+               port: int = 8000, api_key: str | None = None, chat_template: str | None = None,
+               shutdown_timeout: float = 10.0, log_level: str = "info") -> int:
+    """Serve until Ctrl-C / SIGTERM; returns the exit status (1 if the engine failed to start)."""
+    import uvicorn
+    holder: dict = {}
+
+    def stop():
+        holder["server"].should_exit = True
+
+    app = build_app(load_core, served_names, api_key, chat_template, on_load_error=stop)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout)
+    holder["server"] = uvicorn.Server(config)
+    holder["server"].run()
+    return 1 if app.state.longserve.load_error else 0

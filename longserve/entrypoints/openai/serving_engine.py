@@ -1,0 +1,177 @@
+"""What completions and chat share: sampling params from a request, handing prompts to the
+engine core, reading their streams (aborting what a gone client leaves), SSE framing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from contextlib import aclosing
+from functools import lru_cache
+
+from pydantic import BaseModel
+
+from longserve.engine.core import EngineCore, EngineDeadError, EngineOverloadedError, StreamOutput
+from longserve.engine.request import Request
+from longserve.entrypoints.openai.protocol import OpenAIError, SamplingFields, UsageInfo
+from longserve.sampling_params import SamplingParams
+
+
+def _param_of(message: str) -> str | None:
+    m = re.match(r"(\w+) must", message)
+    return m.group(1) if m else None
+
+
+def check_model(requested: str | None, served: list[str]) -> None:
+    if requested is not None and requested not in served:
+        raise OpenAIError(f"the model {requested!r} does not exist; this server serves {served[0]!r}",
+                          param="model", code="model_not_found")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.n != 1:
+        raise OpenAIError(f"n must be 1 (one choice per prompt), got {req.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise OpenAIError(f"{name} is not supported (must be 0)", param=name)
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None)
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(str(e), param=_param_of(str(e))) from None
+
+
+def submit(core: EngineCore, prompts: list, params: SamplingParams, param: str) -> list:
+    """Validate every prompt first, then queue them all; returns (request, stream) pairs."""
+    requests: list[Request] = []
+    for prompt in prompts:
+        try:
+            requests.append(core.make_request(prompt, params))
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(str(e), param=param) from None
+    max_len = core.config.scheduler.max_model_len
+    for req in requests:
+        if params.max_tokens is not None and req.num_prompt_tokens + params.max_tokens > max_len:
+            raise OpenAIError(f"this model's maximum context length is {max_len} tokens; the request "
+                              f"asks for {req.num_prompt_tokens + params.max_tokens} ({req.num_prompt_tokens}"
+                              f" in the prompt, {params.max_tokens} to generate): lower max_tokens",
+                              param="max_tokens")
+    loop, streams = asyncio.get_running_loop(), []
+    try:
+        for req in requests:
+            streams.append(core.add_request(req, loop))
+    except (EngineDeadError, EngineOverloadedError) as e:
+        for s in streams:
+            core.abort(s.request_id)
+        raise unavailable(e) from None
+    return list(zip(requests, streams))
+
+
+def unavailable(e: Exception) -> OpenAIError:
+    overloaded = isinstance(e, EngineOverloadedError)
+    return OpenAIError(str(e), status=503, type="server_overloaded" if overloaded else "server_error",
+                       code="overloaded" if overloaded else "engine_dead")
+
+
+async def read_streams(core: EngineCore, streams: list):
+    """(index, delta) from all streams as they come; on exit aborts every unfinished request
+    (a client that went away leaves nothing running and no KV block held)."""
+    unfinished = {s.request_id for s in streams}
+    source = _one(streams[0]) if len(streams) == 1 else _interleaved(streams)
+    try:
+        async with aclosing(source) as items:
+            async for index, out in items:
+                if out.finished:
+                    unfinished.discard(out.request_id)
+                yield index, out
+    except EngineDeadError as e:
+        raise unavailable(e) from None
+    finally:
+        for request_id in unfinished:
+            core.abort(request_id)
+
+
+async def _one(stream):
+    async for out in stream:
+        yield 0, out
+
+
+async def _interleaved(streams: list):
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, stream):
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):  # until each stream finished (or failed)
+            while True:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield index, item
+                if item.finished:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def check_errors(outs: list[StreamOutput]) -> None:
+    """A request that failed alone (e.g. its KV could not be loaded) answers 500."""
+    for out in outs:
+        if out.error:
+            raise OpenAIError(out.error, 500, "server_error", code="request_failed")
+
+
+def kv_transfer_params(outs: list[StreamOutput]) -> dict | None:
+    return next((o.kv_transfer_params for o in outs if o.kv_transfer_params), None)
+
+
+async def read_all(core: EngineCore, streams: list) -> list[StreamOutput]:
+    """The whole output of each stream, in order."""
+    outs: list[StreamOutput | None] = [None] * len(streams)
+    async with aclosing(read_streams(core, streams)) as deltas:
+        async for index, out in deltas:
+            outs[index] = out if outs[index] is None else outs[index].merged(out)
+    return outs
+
+
+def usage(outs: list[StreamOutput]) -> UsageInfo:
+    prompt = sum(o.num_prompt_tokens for o in outs)
+    completion = sum(o.num_output_tokens for o in outs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+def sse_error(e: Exception) -> str:
+    err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), 500, "server_error")
+    return sse(err.body())
+
+
+class TokenNames:
+    """Token id -> its text, as logprobs show it (special tokens by name)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.name = lru_cache(maxsize=65536)(self._name)
+
+    def namer(self, as_ids: bool):
+        return (lambda t: f"token_id:{t}") if as_ids else self.name
+
+    def _name(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
