@@ -188,8 +188,8 @@ class EngineCore:
     def _run(self) -> None:
         reason = "the engine is shutting down"
         try:
-            while self._handle_commands(block=not self.engine.has_unfinished()):
-                if self.engine.has_unfinished():
+            while self._handle_commands(block=not self._busy()):
+                if self._busy():
                     self.engine.step()
                     self._emit()
         except BaseException as e:  # a fatal error inside a step: the engine cannot go on
@@ -197,6 +197,11 @@ class EngineCore:
             self.error = reason = f"the engine failed: {type(e).__name__}: {e}"
         finally:
             self._fail_all(EngineDeadError(reason))
+
+    def _busy(self) -> bool:
+        """Requests to step, or KV transfers to serve: a producer's held blocks go back only
+        when a step sees the consumer's release or the lease's end, even with no request left."""
+        return self.engine.has_unfinished() or self.engine.has_kv_transfers()
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False on stop."""

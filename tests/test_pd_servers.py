@@ -1,0 +1,126 @@
+"""Prefill/decode disaggregation as a user runs it: a `longserve serve` kv_producer (pcp=2), a
+`longserve serve` kv_consumer (tp=2) and `longserve proxy` in front, three real processes on
+loopback. Completions through the proxy (plain and streamed) give one instance's greedy tokens;
+a client that leaves mid-stream loses nothing; both pools are whole afterwards; no process is left."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from longserve import LLM, SamplingParams
+from longserve.engine.executor import free_port
+
+MODEL = "builtin:llama-tiny"
+PROMPT = [(7 * i + 3) % 400 + 5 for i in range(37)]
+N = 8
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def start(tmp_path, name, args):
+    port = free_port()
+    log = open(tmp_path / f"{name}.log", "w")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "longserve.entrypoints.cli", *args, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def serve_args(role, layout):
+    kvt = {"kv_role": role, "kv_lease_s": 20, "kv_transfer_timeout_s": 10}
+    return ["serve", MODEL, *layout, "--device", "cpu", "--max-model-len", "256",
+            "--uvicorn-log-level", "warning", "--kv-transfer-config", json.dumps(kvt)]
+
+
+def wait_healthy(procs, url, tmp_path, within_s=150):
+    deadline = time.monotonic() + within_s
+    while True:
+        for name, proc in procs.items():
+            assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, "not healthy in time"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+
+
+def kv_usage(url) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", text, re.M).group(1))
+
+
+def stop(proc):
+    if proc.poll() is None:  # SIGTERM the session (server + its rank processes), then SIGKILL
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, 9)  # whatever of the session is left
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def session_alive(sid: int) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    return True
+            except (OSError, IndexError, ValueError):
+                pass
+    return False
+
+
+@pytest.mark.timeout(180)
+def test_pcp2_producer_tp2_consumer_behind_proxy_match_one_instance(tmp_path):
+    with LLM(MODEL, device="cpu", max_model_len=256) as one:
+        want = one.generate([{"prompt_token_ids": PROMPT}],
+                            SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    procs = {}
+    try:
+        procs["producer"], p_url = start(tmp_path, "producer", serve_args("kv_producer", ["-pcp", "2"]))
+        procs["consumer"], d_url = start(tmp_path, "consumer", serve_args("kv_consumer", ["-tp", "2"]))
+        wait_healthy(procs, p_url, tmp_path)
+        wait_healthy(procs, d_url, tmp_path)
+        procs["proxy"], url = start(tmp_path, "proxy", ["proxy", "--prefill", p_url, "--decode", d_url])
+        wait_healthy(procs, url, tmp_path, 60)
+
+        body = dict(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, ignore_eos=True,
+                    return_token_ids=True)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+
+        got = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), timeout=60) as resp:
+            assert resp.status_code == 200
+            lines = [line for line in resp.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        for line in lines[:-1]:
+            got += json.loads(line[len("data: "):])["choices"][0].get("token_ids") or []
+        assert got == want
+
+        # a client that leaves mid-stream: the decode instance aborts, the producer's blocks come back
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json=dict(body, max_tokens=200, stream=True)) as resp:
+            next(line for line in resp.iter_lines() if line)
+        deadline = time.monotonic() + 30  # well inside the lease (20 s) + slack
+        while (usage := (kv_usage(p_url), kv_usage(d_url))) != (0.0, 0.0):
+            assert time.monotonic() < deadline, f"KV pools not whole (producer, consumer): {usage}"
+            time.sleep(0.5)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    assert not any(session_alive(proc.pid) for proc in procs.values())
