@@ -117,13 +117,7 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
     if dtype == "auto":
         dtype = torch.float32 if device == "cpu" else (
             torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype)
-    limit = model_cfg.max_position_embeddings
-    if max_model_len is None:
-        max_model_len = limit
-    elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
-            or not 2 <= max_model_len <= limit:
-        raise ValueError(f"max_model_len must be an integer in [2, {limit}] (the model's "
-                         f"max_position_embeddings), got {max_model_len!r}")
+    max_model_len = resolve_max_model_len(max_model_len, model_cfg.max_position_embeddings)
     cache = CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching,
                         int(cpu_kv_cache_gb * (1 << 30)), num_gpu_blocks)
     parallel = ParallelConfig(tensor_parallel_size, prefill_context_parallel_size,
@@ -159,6 +153,17 @@ def build_kv_transfer_config(kv_transfer_config, kv_offload_gb: float) -> KVTran
         cfg.kv_offload_bytes = int(kv_offload_gb * (1 << 30))
     cfg.validate()
     return cfg
+
+
+def resolve_max_model_len(max_model_len, limit: int) -> int:
+    """The model's own limit by default; else an integer in [2, limit]."""
+    if max_model_len is None:
+        return limit
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
+            or not 2 <= max_model_len <= limit:
+        raise ValueError(f"max_model_len must be an integer in [2, {limit}] (the model's "
+                         f"max_position_embeddings), got {max_model_len!r}")
+    return max_model_len
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
