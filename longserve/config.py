@@ -237,6 +237,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    # plan step N+1 while the device runs step N (llm.py decides where it is supported)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         # a limit below 1 would build an engine that never schedules anything

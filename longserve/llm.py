@@ -93,7 +93,10 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                         distributed_timeout_s: float = 300.0, enable_expert_parallel: bool = False,
                         enable_dbo: bool = False, dbo_decode_token_threshold: int = 32,
                         dbo_prefill_token_threshold: int = 512, kv_offload_gb: float = 0.0,
-                        kv_transfer_config: dict | KVTransferConfig | None = None) -> EngineConfig:
+                        kv_transfer_config: dict | KVTransferConfig | None = None,
+                        async_scheduling: bool | None = None) -> EngineConfig:
+    """async_scheduling: plan step N+1 while the device runs step N (None: wherever the
+    layout supports it)."""
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a folder path or 'builtin:<name>', got {type(model).__name__}")
     model = os.fspath(model)
@@ -126,17 +129,33 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                               distributed_timeout_s, enable_expert_parallel, enable_dbo,
                               dbo_decode_token_threshold, dbo_prefill_token_threshold)
     validate_parallel(parallel, model_cfg, cache, device)
+    kv_transfer = build_kv_transfer_config(kv_transfer_config, kv_offload_gb)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
-                            max_model_len, enable_chunked_prefill)
+                            max_model_len, enable_chunked_prefill,
+                            resolve_async_scheduling(async_scheduling, parallel, kv_transfer))
     if not enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
         raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
-    kv_transfer = build_kv_transfer_config(kv_transfer_config, kv_offload_gb)
     if kv_transfer.kv_offload_bytes and not enable_prefix_caching:
         raise ValueError("kv_offload_gb needs prefix caching (drop --no-enable-prefix-caching)")
     if (kv_transfer.kv_offload_bytes or kv_transfer.kv_role) and data_parallel_size > 1:
         raise ValueError("KV transfer and kv_offload_gb run with data_parallel_size=1 for now")
     return EngineConfig(model_cfg, cache, parallel, sched, parse_dtype(dtype), device,
                         enforce_eager, seed, attention_backend, load_format, kv_transfer)
+
+
+def resolve_async_scheduling(requested, parallel: ParallelConfig, kv: KVTransferConfig) -> bool:
+    """On by default; off (and refused when asked for) where a step's results must be read
+    before the next plan: data parallel steps (one gather of every DP rank's tokens) and KV
+    transfer / offload (loads and saves are tied to the step that reports them)."""
+    why = ("data_parallel_size > 1" if parallel.data_parallel_size > 1 else
+           "KV transfer or kv_offload_gb" if kv.kv_role or kv.kv_offload_bytes else None)
+    if requested is None:
+        return why is None
+    if not isinstance(requested, bool):
+        raise ValueError(f"async_scheduling must be True, False or None, got {requested!r}")
+    if requested and why:
+        raise ValueError(f"async_scheduling is not supported with {why} (leave it unset)")
+    return requested
 
 
 def build_kv_transfer_config(kv_transfer_config, kv_offload_gb: float) -> KVTransferConfig:

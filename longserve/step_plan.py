@@ -9,12 +9,17 @@ from dataclasses import dataclass, field
 
 from longserve.sampling_params import SamplingParams
 
+# With asynchronous scheduling the host plans step N+1 before it has read the tokens sampled
+# in step N: such a token appears in `token_ids` as PLACEHOLDER, and every worker fills it in
+# on the device from step N's sampled ids (worker/model_runner.py).
+PLACEHOLDER = -1
+
 
 @dataclass
 class ScheduledRequest:
     """One request's share of a step, as every worker receives it."""
     req_id: str
-    token_ids: list[int]  # tokens at positions num_computed_tokens ... (this step's chunk)
+    token_ids: list[int]  # tokens at positions num_computed_tokens ... (PLACEHOLDER: see above)
     num_computed_tokens: int
     block_ids: list[int]  # the request's whole block list when `new`, else blocks added since
     new: bool  # the workers have no state for it yet (first step, or resumed after preemption)

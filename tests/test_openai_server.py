@@ -323,7 +323,7 @@ def test_503_while_loading_and_after_a_fatal_engine_error():
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
         executor = srv.core.engine.executor
-        real_execute = executor.execute
+        real_execute = executor.execute_async
 
         def execute(plan):  # a few good steps, then the engine breaks
             if len(execute.calls) >= 3:
@@ -331,7 +331,7 @@ def test_503_while_loading_and_after_a_fatal_engine_error():
             execute.calls.append(plan)
             return real_execute(plan)
         execute.calls = []
-        executor.execute = execute
+        executor.execute_async = execute
         with pytest.raises(openai.APIError, match="boom"):
             list(client.completions.create(model=MODEL, prompt="hi", max_tokens=50, stream=True))
         assert httpx.get(f"{srv.url}/health").status_code == 503

@@ -114,19 +114,24 @@ def spy_preemptions(llm):
     preempt = sched._preempt
 
     def spy(req):
-        seen.append((len(req.prompt_logprobs), req.num_prompt_tokens))
+        seen.append((len(req.prompt_logprobs), req.num_prompt_tokens, req.num_steps_in_flight))
         preempt(req)
     sched._preempt = spy
     return seen
 
 
-def test_preemption_mid_prompt_gives_no_duplicates(hf_models, pool_whole):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_mid_prompt_gives_no_duplicates(hf_models, pool_whole, async_scheduling):
     path, model = hf_models["llama"]
-    llm = LLM(path, device="cpu", block_size=4, num_gpu_blocks=14, max_num_batched_tokens=8)
+    llm = LLM(path, device="cpu", block_size=4, num_gpu_blocks=14, max_num_batched_tokens=8,
+              async_scheduling=async_scheduling)
     seen = spy_preemptions(llm)
     ps = prompts(2, (21, 22, 23))
     assert_all_match(generate(llm, ps, max_tokens=12), ps, model)
-    assert any(0 < got < n - 1 for got, n in seen)  # preempted with part of them collected
+    if async_scheduling:  # preempted while a step with its prompt rows was still in flight
+        assert any(in_flight and got < n - 1 for got, n, in_flight in seen)
+    else:  # preempted with part of them collected
+        assert any(0 < got < n - 1 for got, n, _ in seen)
     pool_whole(llm)
 
 

@@ -35,16 +35,16 @@ def test_greedy_rows_take_the_argmax_and_seeds_repeat():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5),
               SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, seed=5)]
-    tokens, _ = s(logits, params, [0, 0, 0, 0])
+    tokens = s(logits, params, [0, 0, 0, 0]).tolist()
     assert tokens[0] == int(logits[0].argmax())
     assert tokens[2] in logits[2].topk(3).indices.tolist()
-    again, _ = s(logits[1:2], params[1:2], [0])
+    again = s(logits[1:2], params[1:2], [0]).tolist()
     assert again[0] == tokens[1]  # same seed, same offset, same logits: same token
 
 
 def test_sampling_follows_the_distribution():
     s = Sampler(0, torch.device("cpu"))
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(4000, 1)
-    tokens, _ = s(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000)
+    tokens = s(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000).tolist()
     freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)

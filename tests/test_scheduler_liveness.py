@@ -8,6 +8,10 @@ caching are drawn per run. After every rule: no leak, no double free, reference 
 equal the requests' block lists, free queue and cached map consistent, the workers' block
 lists equal the scheduler's, and every prefix-cache hit holds the request's tokens. At the
 end, with arrivals stopped, everything finishes within a bound on the steps.
+
+Asynchronous scheduling is drawn per run too: step N+1 is planned (and run by the fake
+workers, which fill each PLACEHOLDER with the token they sampled for it last step) before
+step N's results are applied.
 """
 from collections import Counter
 
@@ -21,6 +25,7 @@ from longserve.engine.kv_cache_manager import KVCacheManager
 from longserve.engine.request import Request, RequestStatus
 from longserve.engine.scheduler import Scheduler
 from longserve.sampling_params import SamplingParams
+from longserve.step_plan import PLACEHOLDER
 
 FIXED_TOKEN = 7
 PREFIXES = [[1, 2, 3, 4, 5, 6, 8, 9], [11, 12, 13, 14, 15, 16], [21, 22, 23]]
@@ -33,6 +38,14 @@ class FakeWorkers:
         self.tpb = tokens_per_block
         self.blocks: dict[str, list[int]] = {}
         self.slots: dict[tuple[int, int], int] = {}
+        self.last_sampled: set[str] = set()
+
+    def fill(self, sr) -> list[int]:
+        """A placeholder is the token this fake sampled for the request in the last step."""
+        if PLACEHOLDER in sr.token_ids:
+            assert sr.req_id in self.last_sampled and sr.token_ids[-1] == PLACEHOLDER
+            assert sr.token_ids.count(PLACEHOLDER) == 1
+        return [FIXED_TOKEN if t == PLACEHOLDER else t for t in sr.token_ids]
 
     def execute(self, out, requests: dict[str, Request]) -> dict[str, int]:
         for rid in out.finished_req_ids:
@@ -48,23 +61,28 @@ class FakeWorkers:
             else:
                 self.blocks[sr.req_id].extend(sr.block_ids)
             req, blocks, start = requests[sr.req_id], self.blocks[sr.req_id], sr.num_computed_tokens
-            tokens = req.all_token_ids
-            assert sr.token_ids == tokens[start:start + len(sr.token_ids)]
-            for pos in range(start):  # the computed prefix (prefix hits included) is in the cache
+            tokens, ids = req.all_token_ids, self.fill(sr)
+            known = tokens[start:start + len(ids)]
+            assert ids[:len(known)] == known and len(ids) - len(known) <= 1
+            for pos in range(min(start, len(tokens))):  # the computed prefix (prefix hits
+                # included) is in the cache
                 assert self.slots.get((blocks[pos // self.tpb], pos % self.tpb)) == tokens[pos]
-            for j, tok in enumerate(sr.token_ids):
+            for j, tok in enumerate(ids):
                 pos = start + j
                 self.slots[(blocks[pos // self.tpb], pos % self.tpb)] = tok
             if sr.sample:
                 sampled[sr.req_id] = FIXED_TOKEN
+        self.last_sampled = set(sampled)
         return sampled
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(2, 24), tpb=st.sampled_from([1, 2, 4]),
                 max_num_seqs=st.integers(1, 6), budget=st.integers(1, 48),
-                max_model_len=st.integers(6, 40), chunked=st.booleans(), caching=st.booleans())
-    def setup(self, num_blocks, tpb, max_num_seqs, budget, max_model_len, chunked, caching):
+                max_model_len=st.integers(6, 40), chunked=st.booleans(), caching=st.booleans(),
+                asynchronous=st.booleans())
+    def setup(self, num_blocks, tpb, max_num_seqs, budget, max_model_len, chunked, caching,
+              asynchronous):
         if not chunked:
             budget = max(budget, max_model_len)
         self.kv = KVCacheManager(num_blocks, tpb, caching)
@@ -73,6 +91,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.all: dict[str, Request] = {}  # every request ever queued
         self.bypassed: set[str] = set()  # queued without the door rule
         self.n = 0
+        self.asynchronous, self.in_flight = asynchronous, None
 
     @rule(prefix=st.integers(0, len(PREFIXES)), suffix=st.lists(st.integers(30, 60), max_size=12),
           max_tokens=st.one_of(st.none(), st.integers(1, 30)), bypass_door=st.booleans())
@@ -97,7 +116,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.sched.schedule()
         live = {rid: r for rid, r in self.all.items() if rid in self.sched.requests}
         sampled = self.workers.execute(out, live)
-        self.sched.update_from_output(out, sampled)
+        if self.asynchronous:  # step N+1 is planned and run before N's results are applied
+            previous, self.in_flight = self.in_flight, (out, sampled)
+            if previous is not None:
+                self.sched.update_from_output(*previous)
+        else:
+            self.sched.update_from_output(out, sampled)
         for sr in out.requests:  # what the workers hold equals the scheduler's block lists
             req = self.sched.requests.get(sr.req_id)
             if req is not None and req.status == RequestStatus.RUNNING:
@@ -135,7 +159,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         bound = sum(r.num_tokens + (r.sampling_params.max_tokens or self.sched.config.max_model_len)
                     for r in self.sched.requests.values()) + 2
         steps = 0
-        while self.sched.has_unfinished():
+        while self.sched.has_unfinished() or self.in_flight is not None:
+            if not self.sched.has_unfinished():
+                self.sched.update_from_output(*self.in_flight)
+                self.in_flight = None
+                continue
             self.step()
             self.pool_consistent()
             steps += 1
@@ -155,7 +183,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerLiveness = SchedulerMachine.TestCase
-TestSchedulerLiveness.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+TestSchedulerLiveness.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -141,6 +141,12 @@ class GroupCoordinator:
         gathered = self.all_gather(x, dim)  # NCCL gather is point-to-point; all-gather is one call
         return gathered if self.is_first_rank else None
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """The first rank's `x` on every rank (in place; the device group: no host wait)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=self.ranks[0], group=self.device_group)
+        return x
+
     def broadcast_object(self, obj=None):
         """Send a picklable object from the first rank of the group to the others."""
         if self.world_size == 1:

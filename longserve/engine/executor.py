@@ -175,26 +175,37 @@ class Executor:
 
     # ---- steps ------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput | DPStepPlan) -> ModelRunnerOutput | None:
+        """Run one step and wait for its results."""
+        return self.execute_async(out).result()
+
+    def execute_async(self, out: SchedulerOutput | DPStepPlan) -> "PendingStep":
+        """Launch one step: every rank has its plan and rank 0's kernels are queued; the
+        sampled ids come back through the returned PendingStep (asynchronous scheduling)."""
         if self.failure:
             raise RuntimeError(f"{self.failure}; this engine cannot run: build a new LLM")
         if self._closing:
             raise RuntimeError("the engine was shut down; build a new LLM")
         with defer_interrupt():  # a Ctrl-C lands after the step, with every rank in step
-            if self.world == 1:
-                return self._aggregate(self.driver.execute(out))
             self._step += 1
+            if self.world == 1:
+                return PendingStep(self, self._step, self.driver.execute(out, resolve=False))
             try:
                 with self._waiting_for(f"taking the plan of step {self._step}"):
                     self.driver.ps.world.broadcast_object(out)  # model group if dp == 1
                 with self._waiting_for(f"running step {self._step}"):
-                    return self._aggregate(self.driver.execute(out))
-            except BaseException as e:  # the other ranks are somewhere inside the step: stop them
-                if self.failure is None:
-                    self.failure = (f"step {self._step} was cut short on rank 0 by "
-                                    f"{type(e).__name__} (the ranks fell out of step; the "
-                                    "workers were stopped)")
-                self._teardown()
+                    return PendingStep(self, self._step, self.driver.execute(out, resolve=False))
+            except BaseException as e:
+                self._fell_out_of_step(e)
                 raise
+
+    def _fell_out_of_step(self, e: BaseException) -> None:
+        """The other ranks are somewhere inside the step: stop them."""
+        if self.world > 1 and self.failure is None:
+            self.failure = (f"step {self._step} was cut short on rank 0 by "
+                            f"{type(e).__name__} (the ranks fell out of step; the "
+                            "workers were stopped)")
+        if self.world > 1:
+            self._teardown()
 
     # ---- shutting down ----------------------------------------------------------------
     def _aggregate(self, result):
@@ -242,6 +253,25 @@ class Executor:
             self.shutdown()
         except Exception:
             pass
+
+
+class PendingStep:
+    """A launched step; result() waits for its sampled ids (and nothing else), watched like
+    any wait on the other ranks."""
+
+    def __init__(self, executor: Executor, step: int, output: ModelRunnerOutput | None):
+        self.executor, self.step, self.output = executor, step, output
+
+    def result(self) -> ModelRunnerOutput | None:
+        ex = self.executor
+        with defer_interrupt():
+            try:
+                with ex._waiting_for(f"running step {self.step}"):
+                    out = None if self.output is None else self.output.resolve()
+                    return ex._aggregate(out)
+            except BaseException as e:
+                ex._fell_out_of_step(e)
+                raise
 
 
 @contextlib.contextmanager

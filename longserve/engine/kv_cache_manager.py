@@ -120,7 +120,8 @@ class KVCacheManager:
         """Register the request's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.tokens_per_block
+        # computed may run ahead of the known tokens (a placeholder of asynchronous scheduling)
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.tokens_per_block
         if num_full <= request.num_cached_blocks:
             return
         if num_full > len(request.block_hashes):

@@ -34,6 +34,7 @@ class LLMEngine:
                 config, self.kv, self.executor.driver.runner.kv_bytes_per_block(), self.kv_store)
             self.scheduler.connector = self.kv_connector  # dp == 1: one Scheduler
         self._ids = itertools.count()
+        self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
 
     # ---- requests ---------------------------------------------------------------------
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -111,7 +112,7 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def has_kv_transfers(self) -> bool:
         """A producer's held blocks or a consumer's loads: keep calling step() until False."""
@@ -128,14 +129,31 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One scheduled step; returns the requests that finished in it."""
+        """One scheduled step; returns the requests that finished in it. With asynchronous
+        scheduling the step just planned is launched and the previous one's results are
+        applied (so a request finishes one call later than it would synchronously)."""
         out = self.scheduler.schedule()
         transfers = self.scheduler.has_kv_transfers()
-        if out.is_empty and not out.finished_req_ids and not transfers:
+        idle = out.is_empty and not out.finished_req_ids and not transfers
+        if self.config.scheduler.async_scheduling:
+            return self._step_async(out, idle)
+        if idle:
             return self.scheduler.update_from_output(out, {})  # any finished while planning
         if out.is_empty and transfers:
             time.sleep(0.002)  # only polling the connectors: do not spin
-        result = self.executor.execute(out)
+        return self._apply(out, self.executor.execute(out))
+
+    def _step_async(self, out, idle: bool) -> list[Request]:
+        """Launch step N+1, then wait for step N's sampled ids and apply them: the host plans
+        and prepares N+1 while the device still runs N."""
+        launched = None if idle else (out, self.executor.execute_async(out))
+        previous, self._in_flight = self._in_flight, launched
+        finished = [] if previous is None else self._apply(previous[0], previous[1].result())
+        if launched is None:
+            finished += self.scheduler.update_from_output(out, {})  # any finished while planning
+        return finished
+
+    def _apply(self, out, result) -> list[Request]:
         failed = []
         if result.kv_connector_output is not None:
             failed = self.scheduler.update_kv_transfers(result.kv_connector_output)

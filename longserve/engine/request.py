@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from longserve.sampling_params import SamplingParams
+from longserve.step_plan import PLACEHOLDER
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +44,11 @@ class Request:
     kv_transfer_params: dict | None = None  # in: from the client (a consumer loads); out: a producer's
     num_external_tokens: int = 0  # tokens an asynchronous load brings
     error: str | None = None
+    # Asynchronous scheduling: tokens sampled by steps whose results the host has not read yet
+    # (their values live on the GPU; the plan carries PLACEHOLDER for them), and steps that
+    # include the request and are not applied yet.
+    num_output_placeholders: int = 0
+    num_steps_in_flight: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -60,6 +66,22 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those sampled on the device and not read back yet."""
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def num_output_tokens_with_placeholders(self) -> int:
+        return len(self.output_token_ids) + self.num_output_placeholders
+
+    def scheduled_token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) for the plan: PLACEHOLDER where the token is still on the device."""
+        known = self.num_tokens
+        if end <= known:
+            return self.token_ids_slice(start, end)
+        return self.token_ids_slice(min(start, known), known) + [PLACEHOLDER] * (end - max(start, known))
 
     @property
     def num_prompt_tokens(self) -> int:

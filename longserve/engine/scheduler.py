@@ -17,6 +17,14 @@ Prompt logprobs need the hidden state of every prompt position, so a request tha
 misses some recomputes its prompt instead of reading the prefix cache (as vLLM v1 does);
 its computed blocks are registered for the others all the same. Each chunk asks only for
 the positions not collected yet, so a preempted and recomputed request gives no duplicates.
+
+A request's computed count advances when its chunk is *scheduled*, and a chunk that samples
+leaves a placeholder for the token to come (`num_output_placeholders`). Synchronously the
+result is applied before the next schedule, so placeholders are always 0 by then; with
+asynchronous scheduling the next step is planned first, and a running request then decodes
+its placeholder (the workers fill in the id on the device). A request that has reached its
+token limit counting placeholders waits for its results instead of decoding past the limit,
+and a preempted one is not readmitted while a step that included it is still in flight.
 """
 from __future__ import annotations
 
@@ -77,6 +85,7 @@ class Scheduler:
         for req, n in sorted(plan, key=lambda p: not self._is_decode(*p)):  # decodes first
             out.requests.append(self._describe(req, n))
             self.num_prompt_tokens_computed += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
+            self._advance(req, n)
         if self.connector is not None:
             self._attach_connector_meta(out)
         return out
@@ -89,11 +98,29 @@ class Scheduler:
             out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
 
     @staticmethod
+    def _advance(req: Request, n: int) -> None:
+        """The chunk counts as computed once planned; a sampling chunk leaves a placeholder."""
+        req.num_computed_tokens += n
+        req.num_steps_in_flight += 1
+        if req.num_computed_tokens == req.num_tokens_with_placeholders:
+            req.num_output_placeholders += 1
+
+    @staticmethod
     def _is_decode(req: Request, n: int) -> bool:
         return n == 1 and req.num_computed_tokens > 0
 
+    def _at_limit(self, req: Request) -> bool:
+        """Its in-flight tokens already reach max_tokens or max_model_len: wait for them."""
+        if not req.num_output_placeholders:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens_with_placeholders >= max_tokens)
+                or req.num_tokens_with_placeholders >= self.config.max_model_len)
+
     def _chunk_size(self, req: Request, budget: int) -> int:
-        remaining = req.num_tokens - req.num_computed_tokens
+        if self._at_limit(req):
+            return 0
+        remaining = req.num_tokens_with_placeholders - req.num_computed_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
@@ -134,6 +161,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: list, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_steps_in_flight:  # preempted with a step in flight: wait for its result
+                break
             computed_blocks, num_computed, external, load_async = [], 0, 0, False
             if not req.needs_prompt_logprobs:  # those recompute: every prompt row is scored
                 computed_blocks, num_computed = self.kv.get_computed_blocks(req)
@@ -186,13 +215,13 @@ class Scheduler:
         targets, row = self._prompt_logprob_targets(req, start, n)
         return ScheduledRequest(
             req_id=req.request_id,
-            token_ids=req.token_ids_slice(start, start + n),
+            token_ids=req.scheduled_token_ids(start, start + n),
             num_computed_tokens=start,
             block_ids=list(req.block_ids if sent is None else req.block_ids[sent:]),
             new=sent is None,
-            sample=start + n == req.num_tokens,
+            sample=start + n == req.num_tokens_with_placeholders,
             sampling_params=req.sampling_params if sent is None else None,
-            seed_offset=len(req.output_token_ids),
+            seed_offset=req.num_output_tokens_with_placeholders,
             resumed_from_preemption=sent is None and req.num_preemptions > 0,
             prompt_logprob_targets=targets,
             prompt_logprob_row=row,
@@ -215,27 +244,40 @@ class Scheduler:
                            logprobs: dict[str, dict[int, float]] | None = None,
                            prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
                            ) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests; returns the finished."""
+        """Apply a step's results: sampled tokens replace placeholders, full blocks enter the
+        prefix cache, finished requests leave; returns the finished. A request preempted
+        while the step ran still gets its token (it is recomputed with it)."""
         finished, self._finished_in_schedule = self._finished_in_schedule, []
         for sr in out.requests:
             req = self.requests.get(sr.req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted meanwhile
-            req.num_computed_tokens += len(sr.token_ids)
-            self.kv.cache_full_blocks(req)
+            if req is None:
+                continue  # finished or aborted meanwhile
+            req.num_steps_in_flight -= 1
             if prompt_logprobs and sr.req_id in prompt_logprobs:
-                req.prompt_logprobs.extend(prompt_logprobs[sr.req_id])
-            if sr.req_id not in sampled:
-                continue
-            req.output_token_ids.append(sampled[sr.req_id])
-            if logprobs and sr.req_id in logprobs:
-                req.logprobs.append(logprobs[sr.req_id])
-            if self._check_stop(req):
+                self._add_prompt_logprobs(req, sr, prompt_logprobs[sr.req_id])
+            if sr.sample:
+                req.num_output_placeholders -= 1
+                if sr.req_id in sampled:
+                    req.output_token_ids.append(sampled[sr.req_id])
+                    if logprobs and sr.req_id in logprobs:
+                        req.logprobs.append(logprobs[sr.req_id])
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(req)
+            if sr.sample and sr.req_id in sampled and self._check_stop(req):
                 finished.append(req)
         for req in finished:
             if not req.is_finished:
                 self.finish_request(req.request_id, req.finish_reason)
         return finished
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, sr: ScheduledRequest, entries: list) -> None:
+        """Entries for prompt positions first, first + 1, ...; keep only the ones not collected
+        (a request recomputed after preemption may have been planned before they arrived)."""
+        first = sr.num_computed_tokens + sr.prompt_logprob_row + 1
+        have = len(req.prompt_logprobs)
+        if first <= have + 1:
+            req.prompt_logprobs.extend(entries[have + 1 - first:])
 
     def _check_stop(self, req: Request) -> bool:
         params, token = req.sampling_params, req.output_token_ids[-1]

@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kv-cache-gb", type=float, default=0.25)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while the device runs step N (default: on where supported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: seeded random weights (benchmarks at real shapes)")
@@ -63,7 +65,7 @@ ENGINE_KEYS = ("tokenizer", "dtype", "device", "max_model_len", "block_size", "m
                "decode_context_parallel_size", "data_parallel_size", "cp_kv_cache_interleave_size",
                "enable_sequence_parallel", "enable_expert_parallel", "enable_dbo",
                "dbo_decode_token_threshold", "dbo_prefill_token_threshold", "kv_offload_gb",
-               "kv_transfer_config")
+               "kv_transfer_config", "async_scheduling")
 
 
 def make_llm(args):

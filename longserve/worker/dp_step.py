@@ -30,6 +30,7 @@ def execute_dp_step(worker, step: DPStepPlan):
     ps = worker.ps
     mine = step.plans[ps.layout.dp_rank]
     result = worker.runner.execute(mine, dp_lockstep=step.lockstep and not step.is_empty)
+    result = None if result is None else result.resolve()  # DP steps are synchronous
     if ps.tp.rank_in_group != 0 or ps.pcp.rank_in_group != 0:
         return None  # only each DP rank's first rank holds sampled tokens
     results = ps.dp.gather_object(result)
@@ -84,11 +85,12 @@ def run_coordinated(runner, reqs: list[ScheduledRequest], block_ids: list[list[i
     if not should_ubatch:
         sp = is_residual_scattered_for_sp(runner.config, n)
         return runner.model(inp.input_ids, inp.positions, inp.meta, sp, dp_pad)
-    ubatches = []
-    for part in (slice(0, k), slice(k, len(reqs))):
+    ubatches, split = [], int(per_req[:k].sum())
+    for part, rows in ((slice(0, k), slice(0, split)), (slice(k, len(reqs)), slice(split, n))):
         ub = prepare_step(reqs[part], block_ids[part], runner.layout, ps, None, runner.device,
                           runner.backend)
-        ubatches.append((ub.input_ids, ub.positions, ub.meta))
+        # the step's ids, not the micro-batch's own: placeholders are filled in there
+        ubatches.append((inp.input_ids[rows], ub.positions, ub.meta))
     runner.num_dbo_steps += 1
     return run_dual_batch(runner.model, ubatches, dp_pad // 2)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from longserve.attention.backends import TorchAttentionBackend, TritonAttentionBackend
@@ -20,6 +21,7 @@ from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
                                             KVCacheGroupSpec)
 from longserve.worker.sampler import Sampler, prompt_logprobs
+from longserve.worker.host_to_device import to_device
 from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,
@@ -32,12 +34,41 @@ class RunnerRequest:
     sampling_params: SamplingParams | None
 
 
+class SampledTokens:
+    """A step's sampled ids on their way to the host: a non-blocking copy into pinned memory,
+    queued behind the step's kernels; tolist() waits for that copy alone."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.event = None
+        if tokens.device.type == "cuda":
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]]
     kv_connector_output: KVConnectorOutput | None = None
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # the sampled ids while they are still on their way (request ids, ids); see resolve()
+    pending: tuple[list[str], SampledTokens] | None = None
+
+    def resolve(self) -> ModelRunnerOutput:
+        """Wait for the sampled ids and fill `sampled`."""
+        if self.pending is not None:
+            req_ids, tokens = self.pending
+            self.sampled, self.pending = dict(zip(req_ids, tokens.tolist())), None
+        return self
 
 
 def choose_backend(config: EngineConfig, device: torch.device):
@@ -82,6 +113,10 @@ class ModelRunner:
         self.coordinated = config.model.is_moe and (par.data_parallel_size > 1 or par.enable_dbo)
         self.num_dbo_steps = 0  # steps run as two micro-batches
         self.kv_connector = build_worker_connector(config, ps, device)  # None without KV transfer
+        # asynchronous scheduling: the last step's sampled ids on the device and the row of
+        # each request in them; the next step's PLACEHOLDER inputs are filled from these
+        self.async_scheduling = config.scheduler.async_scheduling
+        self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # prompt logprobs take logits of this many rows at a time: [rows, vocab] stays ~64 MB
         self.prompt_logprob_rows_per_slice = max(1, (1 << 24) // config.model.vocab_size)
 
@@ -176,6 +211,8 @@ class ModelRunner:
             block_ids = [[0] * (len(out.requests[0].token_ids) // self.block_size + 1)]
         inp = prepare_step(out.requests, block_ids, self.layout, self.ps, self.pcp, self.device,
                            self.backend)
+        if inp.placeholder_rows is not None:
+            self.fill_placeholders(out.requests, inp)
         if self.coordinated:
             hidden = run_coordinated(self, out.requests, block_ids, inp)
         else:
@@ -191,22 +228,56 @@ class ModelRunner:
         sp = is_residual_scattered_for_sp(self.config, n)
         return self.model(inp.input_ids, inp.positions, inp.meta, sp)
 
+    def fill_placeholders(self, reqs: list[ScheduledRequest], inp: StepInputs) -> None:
+        """Asynchronous scheduling: the plan's PLACEHOLDER ids are the tokens the previous
+        step sampled; copy them on the device (the host never saw them)."""
+        sampled, row_of = self.last_sampled or (None, {})
+        try:
+            src = [row_of[reqs[i].req_id] for i in inp.placeholder_reqs]
+        except KeyError as e:
+            raise RuntimeError(f"request {e.args[0]} has a placeholder token, but the previous "
+                               "step sampled none for it") from None
+        rows = to_device(inp.placeholder_rows, self.device)
+        inp.input_ids[rows] = sampled[to_device(np.array(src, dtype=np.int64), self.device)]
+
     def sample(self, reqs: list[ScheduledRequest], hidden, inp: StepInputs) -> ModelRunnerOutput | None:
-        if self.ps.pcp.rank_in_group != 0:  # the first PCP rank's TP group takes the logits
-            return None
+        """Sample on the first rank of the model group (the first PCP rank's first TP rank);
+        the output's ids stay pending until resolve(). Asynchronous scheduling keeps them on
+        the device for the next step, on every rank of the model group."""
+        sampling = [r for r in reqs if r.sample]
+        output, tokens = None, None
+        if self.ps.pcp.rank_in_group == 0:  # the first PCP rank's TP group takes the logits
+            output, tokens = self._sample_here(reqs, sampling, hidden, inp)
+        if self.async_scheduling:
+            self._keep_sampled(sampling, tokens)
+        return output
+
+    def _sample_here(self, reqs, sampling, hidden, inp):
         prompt_lps = {}
         if inp.prompt_logprob_rows is not None:  # every TP rank joins the logits gathers
             prompt_lps = self.prompt_logprobs(reqs, hidden, inp.prompt_logprob_rows)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if logits is None:
-            return None
-        sampling = [r for r in reqs if r.sample]
+            return None, None
         params = [self.requests[r.req_id].sampling_params for r in sampling]
-        tokens, logprobs = self.sampler(logits, params, [r.seed_offset for r in sampling])
-        return ModelRunnerOutput(
-            {r.req_id: t for r, t in zip(sampling, tokens)},
-            {r.req_id: lp for r, lp in zip(sampling, logprobs) if lp is not None},
-            prompt_logprobs=prompt_lps)
+        tokens = self.sampler(logits, params, [r.seed_offset for r in sampling])
+        ids = [r.req_id for r in sampling]
+        output = ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps,
+                                   pending=(ids, SampledTokens(tokens)))
+        if any(p.logprobs is not None for p in params):  # these need the ids now
+            lps = self.sampler.logprobs(logits, params, list(output.resolve().sampled.values()))
+            output.logprobs = {i: lp for i, lp in zip(ids, lps) if lp is not None}
+        return output, tokens
+
+    def _keep_sampled(self, sampling: list[ScheduledRequest], tokens: torch.Tensor | None) -> None:
+        if not sampling:
+            self.last_sampled = None
+            return
+        if self.ps.model.world_size > 1:  # every rank embeds the next step's ids
+            if tokens is None:
+                tokens = torch.empty(len(sampling), dtype=torch.int64, device=self.device)
+            self.ps.model.broadcast(tokens)
+        self.last_sampled = tokens, {r.req_id: i for i, r in enumerate(sampling)}
 
     def prompt_logprobs(self, reqs: list[ScheduledRequest], hidden,
                         rows) -> dict[str, list[dict[int, float]]]:

@@ -8,9 +8,11 @@ lands in, nor on preemption.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from longserve.sampling_params import SamplingParams
+from longserve.worker.host_to_device import to_device
 
 
 class Sampler:
@@ -21,18 +23,18 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 seed_offsets: list[int]) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits [N, V] float32 -> N token ids, and N logprob dicts (None where not asked)."""
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+                 seed_offsets: list[int]) -> torch.Tensor:
+        """logits [N, V] float32 -> N token ids [N] on the logits' device (nothing waits
+        for the device here: asynchronous scheduling reads them a step later)."""
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            sampled = self._sample(logits, params, seed_offsets)
-            tokens = torch.where(greedy, tokens, sampled)
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, params, token_list)
+        if not all(p.greedy for p in params):
+            greedy = to_device(np.array([p.greedy for p in params]), logits.device)
+            tokens = torch.where(greedy, tokens, self._sample(logits, params, seed_offsets))
+        return tokens
 
     def _sample(self, logits, params, seed_offsets):
-        temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=logits.device)
+        temps = to_device(np.array([max(p.temperature, 1e-5) for p in params], np.float32),
+                          logits.device)
         logits = logits / temps[:, None]
         logits = apply_top_k(logits, [p.top_k for p in params])
         logits = apply_top_p(logits, [p.top_p for p in params])
@@ -46,7 +48,8 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _logprobs(logits, params, tokens):
+    def logprobs(logits, params, tokens: list[int]) -> list[dict[int, float] | None]:
+        """Per row {sampled token: logprob} plus the top `params.logprobs` (None where not asked)."""
         wanted = [p.logprobs for p in params]
         if all(w is None for w in wanted):
             return [None] * len(params)
@@ -81,7 +84,7 @@ def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     if not any(top_ks):
         return logits
     vocab = logits.shape[-1]
-    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    k = to_device(np.array([k if 0 < k < vocab else vocab for k in top_ks]), logits.device)
     kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
 
@@ -89,7 +92,7 @@ def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
 def apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     if all(p >= 1.0 for p in top_ps):
         return logits
-    p = torch.tensor(top_ps, device=logits.device)[:, None]
+    p = to_device(np.array(top_ps, np.float32), logits.device)[:, None]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     # drop a token when the mass strictly before it already reaches top_p (the first stays)

@@ -17,10 +17,11 @@ import torch
 
 from longserve.attention.metadata import AttentionMetadata, PagedPart, SuffixSegment, VarlenLayout
 from longserve.distributed.parallel_state import ParallelState
-from longserve.step_plan import ScheduledRequest
+from longserve.step_plan import PLACEHOLDER, ScheduledRequest
 from longserve.worker.block_table import (compute_slot_mapping, get_dcp_local_seq_lens,
                                           map_to_kernel_blocks)
 from longserve.worker.cp_utils import PCPManager
+from longserve.worker.host_to_device import to_device
 
 
 @dataclass
@@ -34,6 +35,10 @@ class StepInputs:
     # rows of the (restored) hidden states whose logits score prompt tokens, in request
     # order (ScheduledRequest.prompt_logprob_targets); None when no request asks
     prompt_logprob_rows: np.ndarray | None = None
+    # rows of input_ids that hold PLACEHOLDER (asynchronous scheduling: the id is still on
+    # the device) and the index into the step's requests of each; None when there are none
+    placeholder_rows: np.ndarray | None = None
+    placeholder_reqs: np.ndarray | None = None
 
 
 @dataclass
@@ -65,10 +70,9 @@ def prepare_step(reqs: list[ScheduledRequest], block_ids: list[list[int]], layou
     table = build_block_table(block_ids)
     slots = compute_slot_mapping(table, req_idx, positions, layout.block_size,
                                  layout.cp_world_size, layout.cp_rank, layout.interleave_size)
-    kernel_table = torch.from_numpy(map_to_kernel_blocks(table, layout.kernel_blocks_per_block))
-    kernel_table = kernel_table.to(device, non_blocking=True)
+    kernel_table = to_device(map_to_kernel_blocks(table, layout.kernel_blocks_per_block), device)
     meta = AttentionMetadata(num_decode_tokens=num_decodes, num_tokens=0,
-                             slot_mapping=torch.from_numpy(slots).to(device), decode=None,
+                             slot_mapping=to_device(slots, device), decode=None,
                              ps=ps, backend=backend)
     if pcp is not None and pcp.pcp_world_size > 1:
         room = len(positions) + 2 * pcp.pcp_world_size * len(reqs)  # pads included
@@ -90,11 +94,14 @@ def prepare_step(reqs: list[ScheduledRequest], block_ids: list[list[int]], layou
     add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kernel_table, layout, ps,
                       device)
     sampling = np.array([r.sample for r in reqs])
-    logits_indices = torch.from_numpy(starts[1:][sampling] - 1).to(device)
+    logits_indices = to_device(starts[1:][sampling] - 1, device)
+    placeholder_rows = np.flatnonzero(token_ids == PLACEHOLDER)
     return StepInputs(
-        input_ids=torch.from_numpy(token_ids).to(device), positions=torch.from_numpy(positions).to(device),
+        input_ids=to_device(token_ids, device), positions=to_device(positions, device),
         meta=meta, logits_indices=logits_indices, num_local_tokens=meta.num_tokens,
-        is_pure_decode=num_decodes == len(reqs), prompt_logprob_rows=prompt_logprob_rows(reqs, starts))
+        is_pure_decode=num_decodes == len(reqs), prompt_logprob_rows=prompt_logprob_rows(reqs, starts),
+        placeholder_rows=placeholder_rows if placeholder_rows.size else None,
+        placeholder_reqs=req_idx[placeholder_rows] if placeholder_rows.size else None)
 
 
 def prompt_logprob_rows(reqs: list[ScheduledRequest], starts: np.ndarray) -> np.ndarray | None:
@@ -113,8 +120,8 @@ def cp_local(lens: torch.Tensor, layout: CPLayout) -> torch.Tensor:
 def paged_part(qsl: np.ndarray, kv_lens: torch.Tensor, table: torch.Tensor, max_q: int,
                device) -> PagedPart:
     kv_lens = kv_lens.to(torch.int32)
-    return PagedPart(query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-                     kv_lens=kv_lens.to(device), block_table=table, max_query_len=int(max_q),
+    return PagedPart(query_start_loc=to_device(qsl.astype(np.int32), device),
+                     kv_lens=to_device(kv_lens, device), block_table=table, max_query_len=int(max_q),
                      query_start_loc_cpu=qsl.tolist(), kv_lens_cpu=kv_lens.tolist())
 
 
@@ -143,7 +150,7 @@ def varlen_layout(segs: list[SuffixSegment], device) -> VarlenLayout:
     lens = [s.kb - s.ka for s in segs]
     assert all(s.k0 == s.ka and s.q1 - s.q0 == n for s, n in zip(segs, lens))
     assert all(a.kb == b.ka and a.q1 == b.q0 for a, b in zip(segs, segs[1:]))
-    cu = torch.tensor(np.concatenate(([0], np.cumsum(lens))), dtype=torch.int32).to(device)
+    cu = to_device(np.concatenate(([0], np.cumsum(lens))).astype(np.int32), device)
     return VarlenLayout(cu, max(lens), segs[0].ka, segs[-1].kb)
 
 

@@ -121,10 +121,14 @@ class Worker:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_cudagraphs()
 
-    def execute(self, out: SchedulerOutput | DPStepPlan) -> ModelRunnerOutput | None:
+    def execute(self, out: SchedulerOutput | DPStepPlan,
+                resolve: bool = True) -> ModelRunnerOutput | None:
+        """resolve=False: return as soon as the step is queued on the device; the output's
+        resolve() waits for the sampled ids (asynchronous scheduling)."""
         if isinstance(out, DPStepPlan):  # data parallel: every DP rank's plan
             return execute_dp_step(self, out)
-        return self.runner.execute(out)
+        result = self.runner.execute(out)
+        return result.resolve() if resolve and result is not None else result
 
     def close(self) -> None:
         """Drop the model, KV cache and graphs so the device memory is free for the next engine,
@@ -166,6 +170,8 @@ def run_worker_loop(worker: Worker, progress=None) -> None:
             progress[worker.rank] += 1
         if out == SHUTDOWN:
             return
-        result = worker.execute(out)
+        # asynchronous scheduling: queue the step and take the next plan (the sampled ids
+        # reach this rank on the device); with a KV connector the step is synchronous
+        result = worker.execute(out, resolve=not worker.config.scheduler.async_scheduling)
         if worker.runner.kv_connector is not None:  # the driver unites the connectors' reports
             worker.ps.model.gather_object(result)

@@ -1,0 +1,153 @@
+"""Asynchronous scheduling gives the tokens of synchronous scheduling.
+
+On the CPU the code path is the GPU's: step N+1 is planned and launched before step N's
+sampled ids are read, its decodes carry PLACEHOLDER ids that the worker fills in from the
+last step's samples; only the overlap itself is missing.
+"""
+import pytest
+
+from longserve import LLM, SamplingParams
+from longserve.engine import executor as executor_mod
+from longserve.llm import build_engine_config
+from longserve.step_plan import PLACEHOLDER
+
+MODEL = "builtin:llama-tiny"
+PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate([5, 23, 40, 9, 61, 17])]
+SHARED = [PROMPTS[4][:32] + [9, 8, 7], PROMPTS[4][:48] + [3]]  # prefix-cache hits
+
+
+def engine(asynchronous: bool, **kw) -> LLM:
+    kw = {"max_model_len": 256, "max_num_batched_tokens": 32, **kw}  # chunked, mixed steps
+    return LLM(MODEL, device="cpu", async_scheduling=asynchronous, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    llms = engine(False), engine(True)
+    assert not llms[0].config.scheduler.async_scheduling and llms[1].config.scheduler.async_scheduling
+    yield llms
+    for llm in llms:
+        llm.shutdown()
+
+
+def run(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def same(a, b):
+    for x, y in zip(a, b, strict=True):
+        ox, oy = x.outputs[0], y.outputs[0]
+        assert (ox.token_ids, ox.text, ox.finish_reason, ox.stop_reason) == \
+            (oy.token_ids, oy.text, oy.finish_reason, oy.stop_reason)
+        if ox.logprobs is not None:
+            assert [sorted(d) for d in ox.logprobs] == [sorted(d) for d in oy.logprobs]
+            for dx, dy in zip(ox.logprobs, oy.logprobs):
+                assert all(abs(dx[t] - dy[t]) < 1e-5 for t in dx)
+
+
+def mixed_params(free_text: str):
+    """Greedy and seeded sampling, logprobs, stop strings / ids, EOS, min_tokens, max 1."""
+    stop = free_text[len(free_text) // 2:][:3].strip() or "a"
+    return [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=1),
+            SamplingParams(temperature=0, max_tokens=12, logprobs=2, stop_token_ids=[7, 8]),
+            SamplingParams(temperature=0, max_tokens=30, min_tokens=4)]
+
+
+@pytest.mark.timeout(120)
+def test_same_tokens_for_a_mixed_workload(pair, pool_whole):
+    sync, asyn = pair
+    free = run(sync, PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    params = mixed_params(free[0].outputs[0].text)
+    want = run(sync, PROMPTS + SHARED, params + params[:2])
+    assert want[2].outputs[0].finish_reason == "stop"  # the stop string was met
+    same(want, run(asyn, PROMPTS + SHARED, params + params[:2]))
+    same(want, run(asyn, PROMPTS + SHARED, params + params[:2]))  # now from the prefix cache
+    pool_whole(asyn)
+
+
+@pytest.mark.timeout(120)
+def test_same_tokens_under_preemption(pool_whole):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for asynchronous in (False, True):
+        with engine(asynchronous, block_size=4, num_gpu_blocks=40) as llm:
+            outs.append(run(llm, PROMPTS, params))
+            pool_whole(llm)
+    assert sum(o.metrics["num_preemptions"] for o in outs[1]) > 0
+    same(*outs)
+
+
+@pytest.mark.timeout(120)
+def test_abort_while_a_step_is_in_flight(pair, pool_whole):
+    sync, asyn = pair
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = run(sync, PROMPTS[:3], params)
+    eng = asyn.engine
+    reqs = [eng.make_request({"prompt_token_ids": p}, params) for p in PROMPTS[:4]]
+    for r in reqs:
+        eng.add_request(r)
+    for _ in range(4):
+        eng.step()
+    assert eng._in_flight is not None and reqs[3].num_output_placeholders > 0
+    eng.abort_request(reqs[3].request_id)  # decoding, its next token still on the device
+    while eng.has_unfinished():
+        eng.step()
+    assert reqs[3].finish_reason == "abort"
+    same(want, [eng.to_output(r) for r in reqs[:3]])
+    pool_whole(asyn)
+
+
+@pytest.mark.timeout(120)
+def test_next_step_is_launched_before_the_last_results_are_read(pair, monkeypatch):
+    _, asyn = pair
+    events, ex = [], asyn.engine.executor
+    launch, result = ex.execute_async, executor_mod.PendingStep.result
+
+    def spy_launch(out):
+        pending = launch(out)
+        events.append(("launch", pending.step, sum(PLACEHOLDER in r.token_ids for r in out.requests)))
+        return pending
+
+    def spy_result(self):
+        events.append(("result", self.step, 0))
+        return result(self)
+    monkeypatch.setattr(ex, "execute_async", spy_launch)
+    monkeypatch.setattr(executor_mod.PendingStep, "result", spy_result)
+    run(asyn, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    order = [(kind, step) for kind, step, _ in events]
+    for kind, step in order:
+        if kind == "result" and ("launch", step + 1) in order:
+            assert order.index(("launch", step + 1)) < order.index(("result", step))
+    assert sum(n for _, _, n in events) > 0  # decodes were planned on placeholders
+
+
+@pytest.mark.timeout(120)
+def test_never_plans_past_max_tokens(pair, monkeypatch):
+    _, asyn = pair
+    sched, samples = asyn.engine.scheduler, {}
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        for r in out.requests:
+            samples[r.req_id] = samples.get(r.req_id, 0) + r.sample
+        return out
+    monkeypatch.setattr(sched, "schedule", spy)
+    outs = run(asyn, PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                               for n in (1, 2, 3, 5, 8, 13)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 5, 8, 13]
+    assert [samples[o.request_id] for o in outs] == [1, 2, 3, 5, 8, 13]  # no wasted decode
+
+
+def test_refused_where_a_step_must_be_read_before_the_next():
+    assert not build_engine_config(MODEL, device="cpu", data_parallel_size=2).scheduler.async_scheduling
+    assert build_engine_config(MODEL, device="cpu").scheduler.async_scheduling  # the default
+    with pytest.raises(ValueError, match="async_scheduling is not supported with data_parallel"):
+        build_engine_config(MODEL, device="cpu", data_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="KV transfer or kv_offload_gb"):
+        build_engine_config(MODEL, device="cpu", kv_offload_gb=0.01, async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
+        build_engine_config(MODEL, device="cpu", async_scheduling="yes")
