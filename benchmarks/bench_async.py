@@ -65,8 +65,9 @@ def profile_window(llm, n, inp, steps, mixed: bool):
     from torch.profiler import ProfilerActivity, profile
     eng = llm.engine
     vocab = llm.config.model.vocab_size
-    for p in prompts(n, inp, vocab, 5):
-        eng.add_request(eng.make_request(p, SamplingParams(max_tokens=64, ignore_eos=True)))
+    for p in prompts(n, inp, vocab, 6 if mixed else 5):  # no prefix hits between windows
+        eng.add_request(eng.make_request(p, SamplingParams(temperature=0, max_tokens=64,
+                                                           ignore_eos=True)))
     budget = llm.config.scheduler.max_num_batched_tokens
     warm = 2 if mixed else -(-n * inp // budget) + 4  # decode window: after the last prefill
     for _ in range(warm):
@@ -81,24 +82,33 @@ def profile_window(llm, n, inp, steps, mixed: bool):
     return busy_fraction(prof), prof
 
 
-def run(model, asynchronous, n, inp, out, show_profile):
+def run(model, asynchronous, n, inp, out, show_profile, cprofile=False):
     llm = LLM(f"builtin:{model}", load_format="dummy", dtype="bfloat16", max_model_len=inp + out + 80,
               max_num_seqs=n, async_scheduling=asynchronous)
     vocab = llm.config.model.vocab_size
     llm.generate(prompts(n, inp, vocab, 7), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     log = spy_steps(llm)
     torch.cuda.synchronize()
+    prof_host = __import__("cProfile").Profile() if cprofile else None
     t = time.perf_counter()
+    if prof_host:
+        prof_host.enable()
     outs = llm.generate(prompts(n, inp, vocab, 0),
                         SamplingParams(temperature=0, max_tokens=out, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     total = time.perf_counter() - t
+    if prof_host:
+        prof_host.disable()
+        __import__("pstats").Stats(prof_host).sort_stats("tottime").print_stats(30)
+    log = list(log)  # the profile windows below step the same engine
     full = [dt for dec, pre, dt in log if dec == n and pre == 0]
     mixed = [x for x in log if x[1] > 0]
     busy_dec, prof = profile_window(llm, n, inp, 12, mixed=False)
-    busy_mix, _ = profile_window(llm, n, inp, 6, mixed=True)
+    busy_mix, prof_mix = profile_window(llm, n, inp, 6, mixed=True)
     if show_profile:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+        print(prof_mix.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
     llm.shutdown()
     del llm
     torch.cuda.empty_cache()
@@ -116,16 +126,18 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--show-profile", action="store_true", help="host-side op table (async run)")
+    ap.add_argument("--show-profile", action="store_true", help="op tables (async run)")
+    ap.add_argument("--cprofile", action="store_true", help="Python hot spots of the async run")
+    ap.add_argument("--modes", default="sync,async")
     args = ap.parse_args()
     rows, tokens = [], []
-    for asynchronous in (False, True):
+    for asynchronous in [m == "async" for m in args.modes.split(",")]:
         row, toks = run(args.model, asynchronous, args.num_prompts, args.input_len, args.output_len,
-                        args.show_profile and asynchronous)
+                        args.show_profile and asynchronous, args.cprofile and asynchronous)
         rows.append(row)
         tokens.append(toks)
         print(json.dumps(row), flush=True)
-    same = np.mean([a == b for a, b in zip(*tokens)])
+    same = np.mean([a == b for a, b in zip(tokens[0], tokens[-1])])
     print(f"\n### Scheduling modes, {args.model}, {args.num_prompts} x ({args.input_len} in + "
           f"{args.output_len} out) ({torch.cuda.get_device_name()}); identical greedy outputs: "
           f"{100 * same:.1f}%\n")

@@ -106,6 +106,22 @@ def test_gpu_gathered_matches_triton_kernel():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("rows, lens", [((130, 0, 7, 64), (300, 50, 0, 1000)),  # flash, packed
+                                        ((64, 9000), (17, 8200))])  # cuDNN for the long one
+def test_gpu_prefix_attention_paths_equal_reference(rows, lens):
+    q, kc, vc, part = _paged(3, "cuda", torch.bfloat16, rows=rows, lens=lens)
+    for _ in range(2):  # the second call reuses the packed layout built by the first
+        out, lse = gathered_paged_attention(q, kc, vc, part, 0.2)
+        ref_out, ref_lse = _reference_paged(q, kc, vc, part, 0.2)
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-3)
+    empty = [i for i, (n, k) in enumerate(zip(rows, lens)) if k == 0]
+    for i in empty:
+        a, b = part.query_start_loc_cpu[i], part.query_start_loc_cpu[i + 1]
+        assert torch.isneginf(lse[a:b]).all() and (out[a:b] == 0).all()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_varlen_causal_equals_per_segment_reference():
     gen = torch.Generator().manual_seed(3)
     lens = [5, 130, 1, 64, 300]

@@ -15,6 +15,9 @@ Per layer and step (see attention/metadata.py for the row layout):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longserve.attention.cp_attention import correct_attn_out, merge_attn_states
 from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
+from longserve.worker.host_to_device import to_device
 from longserve.worker.kv_cache_spec import MultipleOf
 
 
@@ -212,9 +216,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
                                    part.kv_lens, scale, part.max_query_len)
 
     def suffix_attention(self, q, k, v, meta: AttentionMetadata, scale, need_lse):
-        """Many requests' chunks (no PCP) in one flash varlen call instead of one call each."""
+        """The requests' chunks (no PCP) in one flash varlen call instead of one call each; a
+        single long chunk keeps cuDNN (faster there, and its per-shape set-up is amortised)."""
         vl = meta.prefill_varlen
-        if vl is None or q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
+        if vl is None or q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or \
+                (len(meta.prefill_segments) == 1 and vl.max_len > FLASH_MAX_WORK ** 0.5):
             return super().suffix_attention(q, k, v, meta, scale, need_lse)
         return varlen_causal(q, k[vl.k_begin:vl.k_end], v[vl.k_begin:vl.k_end], vl, scale)
 
@@ -283,10 +289,20 @@ def _folded_gqa(q, k, v, scale):
 DENSE_PREFIX_MIN_ROWS = 128
 
 
+# Below this many (query row x key) pairs per request, attention costs less than cuDNN's
+# set-up for a new shape (~1 ms of host time a call, and chunked prefill changes the shape
+# every step): flash varlen, which has no per-shape set-up, takes those.
+FLASH_MAX_WORK = 1 << 26
+
+
 def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
     """Per request, gather its cached K/V pages and attend without a mask (sdpa_with_lse: the
     reference math on CPU, fused kernels on CUDA). The reference paged attention, and the CUDA
     path for long chunks. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32."""
+    qsl = part.query_start_loc_cpu
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and max(
+            (qsl[r + 1] - qsl[r]) * n for r, n in enumerate(part.kv_lens_cpu)) <= FLASH_MAX_WORK:
+        return flash_prefix_attention(q, k_cache, v_cache, part, scale)
     page, hkv, d = k_cache.shape[1:]
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
@@ -299,6 +315,58 @@ def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
         v = v_cache[pages].reshape(-1, hkv, d)[:kv_len]
         out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = sdpa_with_lse(
             q[qsl[r]:qsl[r + 1]], k, v, False, scale)
+    return out, lse
+
+
+@dataclass
+class PackedPrefix:
+    """Every request's (rows, cached tokens) as one varlen batch: the query rows of requests
+    with a prefix, the cache slot of each of their cached tokens, and the cumulative lengths."""
+    rows: torch.Tensor | None  # [Tq] rows of q taking part (None: all of them)
+    slots: torch.Tensor  # [Tk] flat cache slot of each cached token, request after request
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def pack_prefix(part: PagedPart, page: int, device) -> PackedPrefix:
+    qsl, lens = part.query_start_loc_cpu, part.kv_lens_cpu
+    reqs = [r for r, n in enumerate(lens) if n > 0 and qsl[r + 1] > qsl[r]]
+    nq = np.array([qsl[r + 1] - qsl[r] for r in reqs], dtype=np.int64)
+    nk = np.array([lens[r] for r in reqs], dtype=np.int64)
+    req_of_tok = np.repeat(np.array(reqs, dtype=np.int64), nk)
+    tok = np.arange(int(nk.sum())) - np.repeat(np.cumsum(nk) - nk, nk)  # position in its prefix
+    pages = part.block_table.long()[to_device(req_of_tok, device), to_device(tok // page, device)]
+    slots = pages * page + to_device(tok % page, device)
+    rows = None
+    if len(reqs) < len(lens) or int(nq.sum()) != qsl[-1]:
+        rows = to_device(np.concatenate([np.arange(qsl[r], qsl[r + 1]) for r in reqs]), device)
+    cu = [to_device(np.concatenate(([0], np.cumsum(x))).astype(np.int32), device) for x in (nq, nk)]
+    return PackedPrefix(rows, slots, cu[0], cu[1], int(nq.max()), int(nk.max()))
+
+
+def flash_prefix_attention(q, k_cache, v_cache, part: PagedPart, scale):
+    """Every request's rows against its whole cached prefix (no mask) in one flash varlen
+    call over K/V gathered from the pages (GQA native). Rows of requests without a prefix
+    get out 0 and lse -inf, as in the per-request loop."""
+    page, hkv, d = k_cache.shape[1:]
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
+    if not any(n > 0 and b > a for n, a, b in zip(part.kv_lens_cpu, part.query_start_loc_cpu,
+                                                  part.query_start_loc_cpu[1:])):
+        return out, lse
+    if part.packed is None:
+        part.packed = pack_prefix(part, page, q.device)
+    p = part.packed
+    k = k_cache.reshape(-1, hkv, d)[p.slots]
+    v = v_cache.reshape(-1, hkv, d)[p.slots]
+    q_in = q if p.rows is None else q[p.rows]
+    o, l = torch.ops.aten._flash_attention_forward(q_in, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k,
+                                                   0.0, False, False, scale=scale)[:2]
+    if p.rows is None:
+        return o, l.transpose(0, 1)
+    out[p.rows], lse[p.rows] = o, l.transpose(0, 1)
     return out, lse
 
 

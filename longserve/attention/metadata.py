@@ -49,6 +49,9 @@ class PagedPart:
     max_query_len: int
     query_start_loc_cpu: list[int]
     kv_lens_cpu: list[int]
+    # the requests' cached K/V as one packed varlen batch, built by the first layer that
+    # needs it and reused by the others (attention/backends.py: flash_prefix_attention)
+    packed: object | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -39,12 +39,11 @@ class Sampler:
         logits = apply_top_k(logits, [p.top_k for p in params])
         logits = apply_top_p(logits, [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        for i, p in enumerate(params):
-            gen = self.generator
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)  # one launch
+        for i, p in enumerate(params):  # seeded rows draw again from their own stream
             if p.seed is not None:
                 gen = self._seeded.manual_seed((p.seed * 1_000_003 + seed_offsets[i]) % (1 << 63))
-            noise[i].exponential_(generator=gen)
+                noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod

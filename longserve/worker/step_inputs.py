@@ -132,7 +132,7 @@ def add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kern
     for i in range(num_decodes, len(n)):
         meta.prefill_segments += suffix_segments(int(starts[i]), int(n[i]), int(local_starts[i]),
                                                  int(local_starts[i + 1]), pcp_size, pcp_rank)
-    if pcp_size == 1 and len(meta.prefill_segments) > 1:
+    if pcp_size == 1 and meta.prefill_segments:
         meta.prefill_varlen = varlen_layout(meta.prefill_segments, device)
     if not np.any(computed[num_decodes:] > 0):
         return
