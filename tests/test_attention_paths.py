@@ -113,8 +113,8 @@ def test_gpu_prefix_attention_paths_equal_reference(rows, lens):
     for _ in range(2):  # the second call reuses the packed layout built by the first
         out, lse = gathered_paged_attention(q, kc, vc, part, 0.2)
         ref_out, ref_lse = _reference_paged(q, kc, vc, part, 0.2)
-        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-3)
+        torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.cpu(), ref_lse.cpu(), atol=1e-2, rtol=1e-3)
     empty = [i for i, (n, k) in enumerate(zip(rows, lens)) if k == 0]
     for i in empty:
         a, b = part.query_start_loc_cpu[i], part.query_start_loc_cpu[i + 1]
