@@ -24,6 +24,8 @@ def as_token_ids(value, name: str = "prompt_token_ids") -> list[int]:
         if "int" not in kind or "bool" in kind:
             raise ValueError(f"{name} must hold integers, got dtype {kind}")
         value = value.tolist()
+    if type(value) is list and all(type(t) is int for t in value):  # the common case, fast
+        return list(value)
     return [as_int(t, f"{name}[{i}]") for i, t in enumerate(value)]
 
 

@@ -12,7 +12,7 @@ def assert_pool_whole(llm):
     for kv in getattr(llm.engine, "kv_managers", [llm.engine.kv]):  # one per DP rank
         assert kv.num_free_blocks == kv.num_blocks
         assert all(c == 0 for c in kv.ref_cnt)
-    assert not llm.engine.has_unfinished()  # nothing queued, running or in flight
+    assert not llm.engine.scheduler.has_unfinished()
 
 
 @pytest.fixture
