@@ -31,6 +31,7 @@ steps.
 torch.profiler (CUDA activity): GPU busy = union of kernel / memcpy / memset intervals over the
 window's GPU span (first to last GPU activity), idle = 1 - busy; and a per-step host-time
 split from perf_counter timers wrapped around the engine's functions (see HOST_PARTS).
+`--profile-run`: the same over the whole workload, run once more on other token ids.
 
 CPU check: `--models qwen3-tiny --device cpu --workload nano --num-prompts 8 --nano-min-len 8
 --nano-max-len 32 --max-num-batched-tokens 64 --hf qwen3-tiny --profile`.
@@ -289,6 +290,7 @@ def ours(model, args, wl: Workload, bw):
         print("  note: no step went through the executor's execute: no floor", flush=True)
     floor = run_floor_s(log, weight_bytes, kv_per_tok, bw)
     windows = profile_windows(llm, wl, args.device) if args.profile else []
+    windows += [profile_run(llm, wl, args.device)] if args.profile_run else []
     print_profile(model, windows)
     step, step_floor, full = decode_step_time(llm, wl, weight_bytes, kv_per_tok, bw, args.device)
     llm.shutdown()
@@ -452,6 +454,15 @@ def profile_windows(llm, wl: Workload, device: str, num_steps: int = PROFILE_WIN
     return [mixed, decode]
 
 
+def profile_run(llm, wl: Workload, device: str) -> dict:
+    """The whole workload again (other token ids) under the timers and the profiler."""
+    with record_steps(llm) as log:
+        add_requests(llm.engine, Workload(wl.name, make_token_variant(wl, 5), wl.out_lens), wl.out_lens)
+        w = profiled_steps(llm.engine, 1 << 62, device, log)
+    w["name"] = "whole run"
+    return w
+
+
 PART_COLUMNS = [("schedule", ("schedule",)), ("prepare inputs", ("prepare_step",)),
                 ("forward", ("run_model",)), ("sampling", ("sample",)),
                 ("outputs", ("update_from_output", "stop_strings"))]
@@ -574,6 +585,8 @@ def parse_args(argv=None):
     ap.add_argument("--cpu-kv-cache-gb", type=float, default=0.25)
     ap.add_argument("--profile", action="store_true",
                     help="GPU idle and the per-step host-time split over mixed and decode windows")
+    ap.add_argument("--profile-run", action="store_true",
+                    help="also the whole workload once more under the profiler (GPU idle of a run)")
     ap.add_argument("--bw", type=float, default=None, help="memory bandwidth for the floor, TB/s")
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -82,7 +82,7 @@ def test_nano_workload_end_to_end_on_cpu():
                  model_runner.prepare_step, model_runner.ModelRunner.run_model)
     rows = bench.main(["--models", "qwen3-tiny", "--device", "cpu", "--workload", "nano",
                        "--num-prompts", "6", "--nano-min-len", "8", "--nano-max-len", "24",
-                       "--max-num-batched-tokens", "32", "--hf", "qwen3-tiny", "--profile"])
+                       "--max-num-batched-tokens", "32", "--hf", "qwen3-tiny", "--profile", "--profile-run"])
     r = rows[0]
     wl = bench.nano_workload(6, 512, 8, 24)
     assert r["output_tokens"] == sum(wl.out_lens) and r["workload"] == "nano"
@@ -93,8 +93,9 @@ def test_nano_workload_end_to_end_on_cpu():
     assert r["decode_step_ms"] > 0 and r["floor_step_ms"] > 0
     full, timed = map(int, r["decode_steps_full"].split("/"))
     assert full == timed == bench.DECODE_WINDOW  # every timed step held the whole batch
-    mixed, decode = r["profile"]
+    mixed, decode, run = r["profile"]
     assert mixed["mixed_steps"] >= 1 and decode["mixed_steps"] == 0 and decode["steps"] == 4
+    assert run["window"] == "whole run" and run["steps"] == r["steps"]  # the same schedule
     assert not mixed["not_timed"] and all(v > 0 for v in mixed["host_ms"].values())
     assert mixed["gpu_idle_pct"] is None  # no GPU here
     assert originals == (Scheduler.schedule, Scheduler.update_from_output,
