@@ -151,10 +151,12 @@ def step_record(plan, seconds: float) -> StepRecord:
 
 @contextlib.contextmanager
 def record_steps(llm):
-    """Wrap the executor's execute: one StepRecord per step that runs the model (plans with
+    """Wrap the executor's step launch (`execute_async`, which `execute` also goes through;
+    `execute` where there is none): one StepRecord per step that runs the model (plans with
     requests); the wrapper is removed on exit."""
     ex, log = llm.engine.executor, []
-    had, inner = "execute" in vars(ex), ex.execute
+    name = "execute_async" if hasattr(ex, "execute_async") else "execute"
+    had, inner = name in vars(ex), getattr(ex, name)
 
     def recorded(plan, *a, **kw):
         t = time.perf_counter()
@@ -162,14 +164,14 @@ def record_steps(llm):
         if plan_requests(plan):
             log.append(step_record(plan, time.perf_counter() - t))
         return res
-    ex.execute = recorded
+    setattr(ex, name, recorded)
     try:
         yield log
     finally:
         if had:
-            ex.execute = inner
+            setattr(ex, name, inner)
         else:
-            del ex.execute
+            delattr(ex, name)
 
 
 # ---- LongServe ---------------------------------------------------------------------------------
@@ -189,6 +191,8 @@ def build_llm(model: str, args, wl: Workload) -> LLM:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.device == "cpu":
         kw["cpu_kv_cache_gb"] = args.cpu_kv_cache_gb
+    if args.async_scheduling != "auto":
+        kw["async_scheduling"] = args.async_scheduling == "on"
     return LLM(f"builtin:{model}", **kw)
 
 
@@ -293,22 +297,26 @@ def ours(model, args, wl: Workload, bw):
     windows += [profile_run(llm, wl, args.device)] if args.profile_run else []
     print_profile(model, windows)
     step, step_floor, full = decode_step_time(llm, wl, weight_bytes, kv_per_tok, bw, args.device)
+    mode = getattr(llm.config.scheduler, "async_scheduling", False)
     llm.shutdown()
     del llm
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return dict(total=total, floor=floor, steps=len(log), step=step, step_floor=step_floor,
-                full=full, params=weight_params(m), kv_per_tok=kv_per_tok,
+                full=full, async_scheduling=mode, params=weight_params(m), kv_per_tok=kv_per_tok,
                 profile=[window_summary(w) for w in windows])
 
 
 # ---- profile: GPU busy fraction and the host-time split ------------------------------------------
 # (label, where, name): where is "scheduler" / "runner" / "engine" (the live object's class:
-# a subclass's override is what gets timed) or a module imported by name
+# a subclass's override is what gets timed), a module imported by name, or "module:Class"
 HOST_PARTS = [("schedule", "scheduler", "schedule"),
               ("prepare_step", "longserve.worker.model_runner", "prepare_step"),
               ("run_model", "runner", "run_model"),
               ("sample", "runner", "sample"),
+              # waiting for the sampled ids (their copy to the host): with asynchronous
+              # scheduling the only wait for the device in a step
+              ("token_wait", "longserve.worker.model_runner:ModelRunnerOutput", "resolve"),
               ("update_from_output", "scheduler", "update_from_output"),
               ("stop_strings", "engine", "_apply_stop_strings")]
 
@@ -321,7 +329,9 @@ def host_part_owner(eng, where: str):
     if where == "runner":
         runner = getattr(getattr(eng.executor, "driver", None), "runner", None)
         return None if runner is None else type(runner)
-    return sys.modules.get(where) or importlib.import_module(where)
+    module, _, cls = where.partition(":")
+    module = sys.modules.get(module) or importlib.import_module(module)
+    return getattr(module, cls) if cls else module
 
 
 @contextlib.contextmanager
@@ -464,12 +474,18 @@ def profile_run(llm, wl: Workload, device: str) -> dict:
 
 
 PART_COLUMNS = [("schedule", ("schedule",)), ("prepare inputs", ("prepare_step",)),
-                ("forward", ("run_model",)), ("sampling", ("sample",)),
+                ("forward", ("run_model",)), ("sampling", ("sample",)), ("token wait", ("token_wait",)),
                 ("outputs", ("update_from_output", "stop_strings"))]
 
 
+def model_steps(w: dict) -> int:
+    """The steps that ran the model (with asynchronous scheduling the last engine step of a
+    run only collects the one before)."""
+    return max(len(w["plans"]) or w["steps"], 1)
+
+
 def profile_row(model: str, w: dict) -> str:
-    ms = lambda s: f"{1e3 * s / max(w['steps'], 1):.2f}"  # noqa: E731 (per step)
+    ms = lambda s: f"{1e3 * s / model_steps(w):.2f}"  # noqa: E731 (per step)
     plans = w["plans"]
     kinds = (f"{sum(1 for p in plans if p.prefill_tokens)} mixed / "
              f"{sum(1 for p in plans if not p.prefill_tokens)} decode")
@@ -480,13 +496,13 @@ def profile_row(model: str, w: dict) -> str:
     other = w["wall"] - sum(w["parts"].values())
     gpu = "n/a | n/a" if not w["span"] else \
         f"{ms(w['busy'])} | {100 * (1 - w['busy'] / w['span']):.1f}"
-    return (f"| {model} | {w['name']} | {w['steps']} ({kinds}) | {ms(w['wall'])} | "
+    return (f"| {model} | {w['name']} | {len(w['plans'])} ({kinds}) | {ms(w['wall'])} | "
             f"{' | '.join(cells)} | {ms(other)} | {gpu} |")
 
 
 def window_summary(w: dict) -> dict:
     """A profiled window as JSON: steps, their kinds, ms per step of each part, GPU busy / idle."""
-    per = lambda x: round(1e3 * x / max(w["steps"], 1), 3)  # noqa: E731
+    per = lambda x: round(1e3 * x / model_steps(w), 3)  # noqa: E731
     return dict(window=w["name"], steps=w["steps"],
                 mixed_steps=sum(1 for p in w["plans"] if p.prefill_tokens),
                 decode_steps=sum(1 for p in w["plans"] if not p.prefill_tokens),
@@ -583,6 +599,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--cpu-kv-cache-gb", type=float, default=0.25)
+    ap.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                    help="the engine's asynchronous scheduling (auto: its default)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU idle and the per-step host-time split over mixed and decode windows")
     ap.add_argument("--profile-run", action="store_true",
@@ -610,7 +628,7 @@ def run_model(model: str, args, bw: float) -> dict:
     if model in [x for x in args.hf.split(",") if x]:
         hf_t, hf_gen = hf(model, wl, args.device, getattr(torch, args.dtype), args.hf_groups)
     toks = wl.num_output_tokens
-    row = dict(model=model, workload=wl.name, ours_s=round(total, 2), out_tok_s=round(toks / total, 1),
+    row = dict(model=model, workload=wl.name, async_scheduling=r["async_scheduling"], ours_s=round(total, 2), out_tok_s=round(toks / total, 1),
                hf_s=None if hf_t is None else round(hf_t, 2),
                hf_tok_s=None if hf_t is None else round(toks / hf_t, 1),
                hf_generated_tokens=hf_gen, speedup=None if hf_t is None else round(hf_t / total, 2),
@@ -630,8 +648,9 @@ def print_table(rows, args, dev, bw) -> None:
                 f"in [{args.nano_min_len}, {args.nano_max_len}] (seed 0)")
     else:
         what = f"{args.num_prompts} x ({args.input_len} in + {args.output_len} out)"
+    mode = "/".join(sorted({"async" if r["async_scheduling"] else "sync" for r in rows}))
     print(f"\n### Offline batch, {what}, greedy, ignore_eos, {args.dtype}, block size "
-          f"{args.block_size} ({dev}, floor at {bw} TB/s)\n")
+          f"{args.block_size}, {mode} scheduling ({dev}, floor at {bw} TB/s)\n")
     print("| model | LongServe (s) | output tok/s | HF generate (s) | HF tok/s | speed-up | steps | "
           "run bytes floor (s) | run / floor | full-batch decode step (ms) | its floor (ms) | step / floor |")
     print("| --- " * 12 + "|")

@@ -77,25 +77,30 @@ def test_trace_busy_reads_the_profilers_export():
 
 
 @pytest.mark.timeout(120)
-def test_nano_workload_end_to_end_on_cpu():
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_nano_workload_end_to_end_on_cpu(mode):
     originals = (Scheduler.schedule, Scheduler.update_from_output, LLMEngine._apply_stop_strings,
                  model_runner.prepare_step, model_runner.ModelRunner.run_model)
     rows = bench.main(["--models", "qwen3-tiny", "--device", "cpu", "--workload", "nano",
                        "--num-prompts", "6", "--nano-min-len", "8", "--nano-max-len", "24",
-                       "--max-num-batched-tokens", "32", "--hf", "qwen3-tiny", "--profile", "--profile-run"])
+                       "--max-num-batched-tokens", "32", "--hf", "qwen3-tiny", "--profile", "--profile-run",
+                       "--async-scheduling", mode])
     r = rows[0]
     wl = bench.nano_workload(6, 512, 8, 24)
     assert r["output_tokens"] == sum(wl.out_lens) and r["workload"] == "nano"
+    assert r["async_scheduling"] == (mode == "on")
     assert r["hf_generated_tokens"] == 6 * max(wl.out_lens)  # one static batch
     assert r["speedup"] == pytest.approx(r["out_tok_s"] / r["hf_tok_s"], rel=0.02)
-    # every request prefills once and decodes out_len - 1 times: the floor's steps are real
-    assert r["steps"] >= max(wl.out_lens) and r["run_floor_s"] > 0
+    # every request prefills, then decodes out_len - 1 times: each step is recorded once
+    assert max(wl.out_lens) <= r["steps"] <= bench.max_prefill_steps(32, wl) + max(wl.out_lens)
+    assert r["run_floor_s"] > 0
     assert r["decode_step_ms"] > 0 and r["floor_step_ms"] > 0
     full, timed = map(int, r["decode_steps_full"].split("/"))
     assert full == timed == bench.DECODE_WINDOW  # every timed step held the whole batch
     mixed, decode, run = r["profile"]
     assert mixed["mixed_steps"] >= 1 and decode["mixed_steps"] == 0 and decode["steps"] == 4
-    assert run["window"] == "whole run" and run["steps"] == r["steps"]  # the same schedule
+    assert run["window"] == "whole run"  # the same workload: the same schedule
+    assert run["mixed_steps"] + run["decode_steps"] == r["steps"]
     assert not mixed["not_timed"] and all(v > 0 for v in mixed["host_ms"].values())
     assert mixed["gpu_idle_pct"] is None  # no GPU here
     assert originals == (Scheduler.schedule, Scheduler.update_from_output,
@@ -127,7 +132,7 @@ def test_host_timers_time_and_restore_and_skip_missing():
         assert missing == ["scheduler.no_such_method"]
         assert calls["schedule"] >= 3 and calls["run_model"] == calls["sample"] >= 3
         assert all(totals[k] > 0 for k in ("schedule", "prepare_step", "run_model", "sample",
-                                           "update_from_output", "stop_strings"))
+                                           "token_wait", "update_from_output", "stop_strings"))
         assert "schedule" not in vars(type(eng.scheduler)) or \
             type(eng.scheduler).schedule.__name__ == "schedule"
         assert model_runner.prepare_step.__name__ == "prepare_step"
