@@ -20,9 +20,9 @@ default 1, one batch of everything. The fixed workload has nothing to pad.
 
 The bytes floor (docs/benchmarks.md): every step reads the weights once (bytes per parameter x
 parameters) plus every scheduled sequence's KV (context tokens x KV bytes per token); the run's
-floor is the sum over the steps the engine actually ran, recorded by wrapping the executor's
-step launch (`execute_async`), divided by the memory bandwidth (`--bw`, TB/s; 4.2 on H200). Parameters and KV bytes
-per token come from the model config. The full-batch decode step is timed over a window of
+floor is the sum over the steps the engine actually ran (recorded by wrapping the executor's
+step launch, `execute_async`) over the memory bandwidth (`--bw`, TB/s; 4.2 on H200).
+Parameters and KV bytes per token come from the model config. The full-batch decode step is timed over a window of
 consecutive full-batch steps (device synchronised at both ends; not execute's wall time, which
 asynchronous scheduling makes return before the GPU is done) against the same floor of those
 steps.
