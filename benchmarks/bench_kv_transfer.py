@@ -8,8 +8,12 @@ contiguous tensor of the same bytes over the same group (target >= 70%).
 
 --mode engine: two real engines (producer on GPU 0, consumer on GPU 1): the producer
 prefills the prompt (one token) and holds its blocks; the consumer pulls them and decodes.
-Handover = consumer's time to first token (pull + one-token forward), against the raw
-transfer time of the same bytes (target <= 2x).
+Handover = consumer's time to first token, split into: before the load starts, the pair
+group's set-up (first request only: built once per rank pair, then reused), control round
+trips, the pull itself, the rest of the load, the engine noticing it (together:
+to_first_step), and the first step (the last prompt token's forward).
+--requests N pulls N prompts one after another over the same pair (target: handover <= 2x
+the pull).
 
 --mode itl: ITL (step time of steps that advance them) of --decodes running decodes while
 --long-prompts prompts of --tokens arrive every --interval steps: both on one GPU
@@ -105,52 +109,124 @@ def run_raw(args):
     print(json.dumps({"bytes": nbytes, **{k: round(v, 5) for k, v in times.items()}}))
 
 
-def engine_side(role, args, conn):
+def engine_llm(role, args, gpu):
     if args.device == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = "0" if role == "kv_producer" else "1"
-    from longserve import LLM, SamplingParams
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    from longserve import LLM
     kw = dict(device=args.device, max_model_len=args.tokens + 64, enable_prefix_caching=False,
               kv_transfer_config={"kv_role": role, "kv_lease_s": 120, "kv_transfer_timeout_s": 120})
     if args.model.endswith("-shape"):
         kw.update(load_format="dummy", dtype="bfloat16")
     llm = LLM(args.model, **kw)
+    rng = np.random.default_rng(0)
     vocab = llm.config.model.vocab_size
-    prompt = {"prompt_token_ids": np.random.default_rng(0).integers(10, vocab - 10, args.tokens).tolist()}
-    greedy = dict(temperature=0, ignore_eos=True)
-    if role == "kv_producer":
-        llm.generate([{"prompt_token_ids": prompt["prompt_token_ids"][:64]}], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+    prompts = [{"prompt_token_ids": rng.integers(10, vocab - 10, args.tokens).tolist()}
+               for _ in range(args.requests)]
+    return llm, prompts
+
+
+def producer_side(args, conn):
+    from longserve import SamplingParams
+    llm, prompts = engine_llm("kv_producer", args, "0")
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:64]}], one, use_tqdm=False)
+    while True:
+        if conn.poll(0.0005):
+            msg = conn.recv()
+            if msg == "stop":
+                break
+            t0 = time.perf_counter()
+            out = llm.generate([prompts[msg]], one, use_tqdm=False)[0]
+            conn.send((out.kv_transfer_params, time.perf_counter() - t0))
+        elif llm.engine.has_kv_transfers():
+            llm.engine.step()
+    llm.shutdown()
+
+
+def record_steps(engine) -> list:
+    """Wrap the executor: (start, end) of every step that ran a non-empty plan."""
+    steps, execute = [], engine.executor.execute
+
+    def timed(out):
         t0 = time.perf_counter()
-        out = llm.generate([prompt], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)[0]
-        conn.send((out.kv_transfer_params, time.perf_counter() - t0))
-        while not conn.poll(0.001) or conn.recv() != "stop":
-            if llm.engine.has_kv_transfers():
-                llm.engine.step()
-    else:
-        llm.generate([{"prompt_token_ids": prompt["prompt_token_ids"][:64]}], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+        result = execute(out)
+        if not out.is_empty:
+            steps.append((t0, time.perf_counter()))
+        return result
+    engine.executor.execute = timed
+    return steps
+
+
+def handover_parts(out, timing: dict, steps: list) -> dict:
+    """Split the consumer's time to first token (s): before the load starts, the load's
+    parts (group set-up, control round trips, the pull, the rest of the load), the engine
+    noticing the load is done, and the first step (the last prompt token)."""
+    first = next(s for s in steps if s[0] >= timing["end"])
+    ttft = out.metrics["time_to_first_token"]
+    arrival = first[1] - ttft  # the first token is stamped as that step returns
+    load = timing["end"] - timing["start"]
+    parts = dict(before_load=timing["start"] - arrival, group_setup=timing["setup_s"],
+                 control=timing["control_s"], pull=timing["pull_s"],
+                 load_other=load - timing["setup_s"] - timing["control_s"] - timing["pull_s"],
+                 notice=first[0] - timing["end"], first_step=first[1] - first[0])
+    return dict(parts, to_first_step=ttft - parts["first_step"], handover=ttft)
+
+
+def consumer_side(args, conn):
+    from longserve import SamplingParams
+    llm, prompts = engine_llm("kv_consumer", args, "1")
+    greedy = dict(temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:64]}],
+                 SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+    worker = llm.engine.executor.driver.runner.kv_connector  # rank 0's connector (in this process)
+    steps, rows = record_steps(llm.engine), []
+    for i in range(args.requests):
+        conn.send(i)
         params = conn.recv()
-        out = llm.generate([prompt], SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": params}, **greedy),
-                           use_tqdm=False)[0]
-        conn.send((out.metrics["time_to_first_token"], llm.engine.stats()))
+        created = worker.groups.num_created
+        out = llm.generate([prompts[i]], SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": params},
+                                                        **greedy), use_tqdm=False)[0]
+        assert out.error is None and len(out.outputs[0].token_ids) == 2, out
+        row = handover_parts(out, worker.timings[out.request_id], steps)
+        rows.append(dict(row, groups_created=worker.groups.num_created - created))
+    conn.send((rows, llm.engine.stats()))
     llm.shutdown()
 
 
 def run_engine(args):
     ctx = mp.get_context("spawn")
     (p_conn, p_child), (c_conn, c_child) = ctx.Pipe(), ctx.Pipe()
-    procs = [ctx.Process(target=engine_side, args=("kv_producer", args, p_child)),
-             ctx.Process(target=engine_side, args=("kv_consumer", args, c_child))]
+    procs = [ctx.Process(target=producer_side, args=(args, p_child)),
+             ctx.Process(target=consumer_side, args=(args, c_child))]
     for p in procs:
         p.start()
-    params, prefill_s = p_conn.recv()
-    c_conn.send(params)
-    handover_s, stats = c_conn.recv()
+    prefill_s = []
+    while True:  # relay: the consumer asks for request i, the producer prefills it
+        msg = c_conn.recv()
+        if isinstance(msg, tuple):
+            rows, stats = msg
+            break
+        p_conn.send(msg)
+        params, secs = p_conn.recv()
+        prefill_s.append(secs)
+        c_conn.send(params)
     p_conn.send("stop")
     for p in procs:
         p.join(120)
-    print(f"prompt {args.tokens} tokens: producer prefill {prefill_s * 1000:.1f} ms; consumer time to "
-          f"first token (pull + one-token step) {handover_s * 1000:.1f} ms; loaded "
+    print(f"prompt {args.tokens} tokens on {args.device}; producer prefill "
+          f"{', '.join(f'{1000 * s:.0f}' for s in prefill_s)} ms; consumer loaded "
           f"{stats.get('kv_connector_num_loaded_tokens')} tokens, computed {stats['num_prompt_tokens_computed']}")
-    print(json.dumps({"prefill_s": prefill_s, "handover_s": handover_s, **stats}))
+    names = list(rows[0])
+    print("| request | " + " | ".join(f"{n} (ms)" if n != "groups_created" else n for n in names) + " |")
+    print("| --- " * (len(names) + 1) + "|")
+    for i, r in enumerate(rows):
+        label = "first (new pair)" if i == 0 else f"#{i + 1} (same pair)"
+        print(f"| {label} | " + " | ".join(f"{1000 * r[n]:.1f}" if n != "groups_created" else str(r[n])
+                                           for n in names) + " |")
+    for i, r in enumerate(rows):
+        print(f"request {i + 1}: until the first step starts / pull = {r['to_first_step'] / r['pull']:.2f}x "
+              f"(target <= 2x); time to first token / pull = {r['handover'] / r['pull']:.2f}x")
+    print(json.dumps({"prefill_s": prefill_s, "handover": rows, **stats}))
 
 
 # ---- ITL of running decodes while long prompts arrive ---------------------------------------
@@ -275,6 +351,7 @@ def run_itl(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["raw", "engine", "itl"], default="raw")
+    ap.add_argument("--requests", type=int, default=2, help="engine: requests on the same pair, one after another")
     ap.add_argument("--decodes", type=int, default=16, help="itl: running decode requests")
     ap.add_argument("--decode-tokens", type=int, default=256, help="itl: tokens each decode makes")
     ap.add_argument("--long-prompts", type=int, default=4, help="itl: long prompts that arrive")

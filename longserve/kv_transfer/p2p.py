@@ -5,7 +5,7 @@ Producer (kv_role kv_producer): `request_finished` keeps a finished request's bl
 by the scheduler) and returns transfer params (engine id, store address, block ids, KV
 layout). Each producer rank serves pulls from a thread: it packs the pieces a consumer rank
 asks for (only while the request is held and its lease runs) and sends them over the pair's
-process group. A held request is let go when the consumer writes its release key or the
+process group (built and warmed at the pair's first pull, reused by every later one). A held request is let go when the consumer writes its release key or the
 lease ends, and never while a pull is reading it; the workers report it finished sending and
 the scheduler frees its blocks.
 
@@ -33,8 +33,8 @@ import torch
 
 from longserve.kv_transfer.topology import KVLayout, plan_kv_pieces
 from longserve.kv_transfer.transfer import PieceRange, pack_piece, payload_shape, unpack_piece
-from longserve.kv_transfer.transport import (PairGroups, connect_store, post_pull, queue_key,
-                                             release_key, td, wait_key, wait_reply)
+from longserve.kv_transfer.transport import (PairGroups, connect_store, next_message, post_pull,
+                                             release_key, td)
 
 log = logging.getLogger(__name__)
 PARAM_KEYS = ("do_remote_prefill", "remote_engine_id", "remote_host", "remote_port",
@@ -207,17 +207,25 @@ class P2pConnectorWorker:
         self.groups = PairGroups(device, kvt.kv_transfer_timeout_s)
         self.caches: list[torch.Tensor] = []
         self.lock = threading.Lock()
+        self.hold_added = threading.Condition(self.lock)
         self.held: dict[str, Held] = {}
         self.let_go: set[str] = set()  # held once, let go since: a pull for them is refused
         self.done: dict[str, bool] = {}  # consumer: request id -> load succeeded
         self.failed_blocks: set[int] = set()
         self.stores: dict[tuple[str, int], object] = {}
         self.epochs: dict[str, int] = defaultdict(int)
+        self.pair_locks: dict[str, threading.Lock] = {}  # one pull per pair at a time
+        self.timings: dict[str, dict] = {}  # consumer: request id -> where its load's time went
         self.stopping = threading.Event()
         self.store, self.server = None, None
         if kvt.kv_role in ("kv_producer", "kv_both"):
             self.store = connect_store(kvt.kv_ip, kvt.kv_port, kvt.kv_transfer_timeout_s)
-            self.server = threading.Thread(target=self._serve_loop, daemon=True)
+            # the serving thread's own clients (a blocked client blocks its other users): one
+            # blocks on the queue (no timeout to speak of: close() wakes it with a stop
+            # message), one meets consumers to build pair groups
+            stores = (connect_store(kvt.kv_ip, kvt.kv_port, 7 * 24 * 3600),
+                      connect_store(kvt.kv_ip, kvt.kv_port, kvt.kv_transfer_timeout_s))
+            self.server = threading.Thread(target=self._serve_loop, args=stores, daemon=True)
             self.server.start()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -234,6 +242,7 @@ class P2pConnectorWorker:
         with self.lock:
             for req_id, (blocks, deadline) in meta.new_holds.items():
                 self.held[req_id] = Held(blocks, deadline)
+            self.hold_added.notify_all()
         for spec in meta.loads:
             self._zero_blocks(spec.block_ids[spec.start // self.layout.tokens_per_block:])
             threading.Thread(target=self._load, args=(spec,), daemon=True).start()
@@ -261,6 +270,10 @@ class P2pConnectorWorker:
     def close(self) -> None:
         self.stopping.set()
         if self.server is not None:
+            try:
+                post_pull(self.store, self.kvt.engine_id, self.rank, {"stop": True})
+            except Exception:  # noqa: BLE001 - the store is gone: the thread has ended
+                pass
             self.server.join(timeout=self.kvt.kv_transfer_timeout_s + 5)
 
     # ---- producer ------------------------------------------------------------------------
@@ -272,59 +285,48 @@ class P2pConnectorWorker:
         except Exception:  # noqa: BLE001 - our own store is gone: the engine is shutting down
             return True
 
-    def _serve_loop(self) -> None:
-        seq, queue = 0, queue_key(self.kvt.engine_id, self.rank)
+    def _serve_loop(self, queue_store, store) -> None:
         while not self.stopping.is_set():
-            key = f"{queue}/{seq}"
             try:
-                arrived = wait_key(self.store, key, 0.5)
+                msg = next_message(queue_store, self.kvt.engine_id, self.rank)
             except Exception:  # noqa: BLE001 - the store is gone: the engine is shutting down
                 return
-            if not arrived:  # nothing yet (or a poster died between add and set)
-                if self._skip_lost_message(queue, seq):
-                    seq += 1
-                continue
-            msg = pickle.loads(self.store.get(key))
-            self.store.delete_key(key)
-            seq += 1
+            if msg.get("stop"):
+                return
             try:
-                self._serve(msg)
+                self._serve(msg, store)
             except Exception as e:  # noqa: BLE001 - the consumer side failed: it recomputes
                 log.warning("serving a KV pull of request %s failed: %s", msg.get("req_id"), e)
                 self.groups.drop(msg["pair"])
-
-    def _skip_lost_message(self, queue: str, seq: int) -> bool:
-        try:
-            return self.store.add(queue, 0) > seq + 1  # later messages exist: this one never came
-        except Exception:  # noqa: BLE001
-            return False
 
     def _take_reader(self, req_id: str) -> Held | None:
         """The held request, counted as read; a pull may come before the step plan that
         announces the hold reaches this rank, so wait for it (not for one already let go)."""
         deadline = time.monotonic() + self.kvt.kv_transfer_timeout_s
-        while True:
-            with self.lock:
+        with self.hold_added:
+            while True:
                 h = self.held.get(req_id)
                 if h is not None and time.time() < h.deadline:
                     h.readers += 1
                     return h
                 if h is not None or req_id in self.let_go or time.monotonic() > deadline:
                     return None
-            time.sleep(0.002)
+                self.hold_added.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
-    def _serve(self, msg: dict) -> None:
+    def _serve(self, msg: dict, store) -> None:
+        """Status word (tag 0: 1 held, 0 not), then the payloads (tags 1, ...). The blocks
+        are read only while packing; no send outlasts the lease."""
+        group = self.groups.get(store, msg["pair"], 0)
         h = self._take_reader(msg["req_id"])
+        status = torch.tensor([0 if h is None else 1], dtype=torch.int64, device=self.device)
+        group.send([status], 1, 0).wait(td(self.kvt.kv_transfer_timeout_s))
         if h is None:
-            self.store.set(msg["reply_key"], "gone: the producer no longer holds the request's KV")
             return
         try:
-            self.store.set(msg["reply_key"], "ok")
-            group = self.groups.get(self.store, msg["pair"], 0)
             rng = PieceRange(msg["start"], msg["end"], tuple(h.block_ids), ())
             receiver = KVLayout(**msg["receiver"])
             chunks = _layer_chunks(len(self.caches), msg["layers_per_chunk"])
-            self.groups.send_all(group, self._payloads(msg, rng, receiver, chunks))
+            self.groups.send_all(group, self._payloads(msg, rng, receiver, chunks), 1, h.deadline)
         finally:
             with self.lock:
                 h.readers -= 1
@@ -343,20 +345,26 @@ class P2pConnectorWorker:
             c.view(2, -1, self.layout.block_size, *c.shape[-2:]).index_fill_(1, idx, 0)
 
     def _load(self, spec: LoadSpec) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's allocations and NCCL calls
+        t0, times = time.perf_counter(), defaultdict(float)
         ok = False
         try:
-            self._pull_all(spec)
+            self._pull_all(spec, times)
             ok = True
         except Exception as e:  # noqa: BLE001 - any failure: the request is recomputed
             log.warning("loading the KV of request %s failed: %s", spec.req_id, e)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         with self.lock:
+            self.timings[spec.req_id] = dict(times, start=t0, end=time.perf_counter(), ok=ok)
+            if len(self.timings) > 1000:
+                self.timings.pop(next(iter(self.timings)))
             self.done[spec.req_id] = ok
             if not ok:
                 self.failed_blocks.update(spec.block_ids[spec.start // self.layout.tokens_per_block:])
 
-    def _pull_all(self, spec: LoadSpec) -> None:
+    def _pull_all(self, spec: LoadSpec, times: dict) -> None:
         p = spec.params
         remote = KVLayout(**p["remote_layout"])
         addr = (p["remote_host"], int(p["remote_port"]))
@@ -369,43 +377,63 @@ class P2pConnectorWorker:
             by_rank[piece.remote_rank].append(piece)
         rng = PieceRange(spec.start, spec.end, tuple(p["remote_block_ids"]), tuple(spec.block_ids))
         for remote_rank, mine in sorted(by_rank.items()):
-            self._pull(store, p, remote_rank, mine, remote, rng)
+            pair_id = f"{p['remote_engine_id']}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
+            with self.pair_locks.setdefault(pair_id, threading.Lock()):  # a pair's tags carry one pull at a time
+                self._pull(store, p, remote_rank, mine, remote, rng, times)
 
     def _pull(self, store, p: dict, remote_rank: int, pieces: list, remote: KVLayout,
-              rng: PieceRange) -> None:
-        engine = p["remote_engine_id"]
-        pair_id = f"{engine}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
+              rng: PieceRange, times: dict) -> None:
+        """times: seconds in group set-up, control (post + the producer's status) and the
+        payloads (receive + unpack), added up over the producer ranks."""
+        pair_id = f"{p['remote_engine_id']}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
         pair = f"{pair_id}/{self.epochs[pair_id]}"
         chunk = max(1, len(self.caches) // 4)
-        reply_key = post_pull(store, engine, remote_rank, dict(
+        t0 = time.perf_counter()
+        post_pull(store, p["remote_engine_id"], remote_rank, dict(
             req_id=p["remote_request_id"], pair=pair, pieces=pieces, start=rng.start, end=rng.end,
             receiver=asdict(self.layout), layers_per_chunk=chunk))
-        reply = wait_reply(store, reply_key, self.kvt.kv_transfer_timeout_s)
-        if reply != "ok":
-            raise RuntimeError(reply)
         try:
+            t1 = time.perf_counter()
             group = self.groups.get(store, pair, 1)
-            head_dim, dtype = self.caches[0].shape[-1], self.caches[0].dtype
-            parts = [(piece, layers) for piece in pieces if not _is_empty(piece, remote, self.layout, rng)
-                     for layers in _layer_chunks(len(self.caches), chunk)]
-
-            def buffer(piece, layers):
-                shape = payload_shape(piece, remote, self.layout, rng, layers.stop - layers.start, head_dim)
-                return lambda: torch.empty(shape, dtype=dtype, device=self.device)
-
-            def consume(i, buf):
-                piece, layers = parts[i]
-                unpack_piece(self.caches[layers], piece, remote, self.layout, rng, buf)
-            self.groups.recv_all(group, [buffer(*part) for part in parts], consume)
+            t2 = time.perf_counter()
+            status = torch.zeros(1, dtype=torch.int64, device=self.device)
+            group.recv([status], 0, 0).wait(td(self.kvt.kv_transfer_timeout_s))
+            held = bool(status.item())
+            t3 = time.perf_counter()
+            if held:
+                self._recv_pieces(group, pieces, remote, rng, chunk)
         except Exception:
             self.groups.drop(pair)
             self.epochs[pair_id] += 1
             raise
+        times["setup_s"] += t2 - t1
+        times["control_s"] += (t1 - t0) + (t3 - t2)
+        times["pull_s"] += time.perf_counter() - t3
+        if not held:
+            raise RuntimeError("gone: the producer no longer holds the request's KV")
+
+    def _recv_pieces(self, group, pieces: list, remote: KVLayout, rng: PieceRange, chunk: int) -> None:
+        head_dim, dtype = self.caches[0].shape[-1], self.caches[0].dtype
+        parts = [(piece, layers) for piece in pieces if not _is_empty(piece, remote, self.layout, rng)
+                 for layers in _layer_chunks(len(self.caches), chunk)]
+
+        def buffer(piece, layers):
+            shape = payload_shape(piece, remote, self.layout, rng, layers.stop - layers.start, head_dim)
+            return lambda: torch.empty(shape, dtype=dtype, device=self.device)
+
+        def consume(i, buf):
+            piece, layers = parts[i]
+            unpack_piece(self.caches[layers], piece, remote, self.layout, rng, buf)
+            if os.environ.get("LONGSERVE_TEST_KV_FAULT") == "consumer_die":
+                os._exit(9)  # test hook: the consumer dies in the middle of a pull
+        self.groups.recv_all(group, [buffer(*part) for part in parts], consume, first_tag=1)
+        if self.device.type == "cuda":  # the pull's time is until the KV is in place
+            torch.cuda.synchronize(self.device)
 
 
 def _inject_fault(groups: PairGroups, pair: str) -> None:
-    """Test hook (LONGSERVE_TEST_KV_FAULT): after the first payload, die ("die") or close the
-    pair's connection ("drop")."""
+    """Test hook (LONGSERVE_TEST_KV_FAULT): after the first payload, the producer dies ("die")
+    or closes the pair's connection ("drop"); see _recv_pieces for "consumer_die"."""
     fault = os.environ.get("LONGSERVE_TEST_KV_FAULT")
     if fault == "die":
         os._exit(9)

@@ -2,17 +2,23 @@
 rank) pair, built from the producer's TCPStore (ProcessGroupGloo on CPU, ProcessGroupNCCL on
 GPU); producer is rank 0 of the pair, consumer rank 1. Control messages go through the store.
 
-A pull: the consumer rank appends a message to the producer rank's queue in the store
-(`pull/<engine>/<rank>/<seq>`), waits for the reply key ("ok" or why not), then receives the
-pieces' payloads over the pair's group. A failed pair is dropped and rebuilt under a new
+A pair's group is built once, at first contact, and warmed with one tiny send/recv (NCCL
+creates its communicator on the first op, which would otherwise land on the first pull);
+every later pull of that pair reuses it. A failed pair is dropped and rebuilt under a new
 epoch on the next pull.
+
+A pull: the consumer rank pushes a message onto the producer rank's queue in the store
+(`pullq/<engine>/<rank>`; the producer's serving thread blocks on the queue, so it wakes at
+once), then receives over the pair's group a status word (1: the producer holds the request,
+0: it no longer does) and, after 1, the pieces' payloads with tags 1, 2, ... One store round
+trip per pull; no polling.
 """
 from __future__ import annotations
 
 import datetime
 import pickle
+import threading
 import time
-import uuid
 
 import torch
 import torch.distributed as dist
@@ -26,48 +32,68 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=td(timeout_s), wait_for_workers=False)
 
 
-def make_pair_group(store: dist.Store, key: str, rank: int, device: torch.device, timeout_s: float):
+def make_pair_group(store: dist.Store, key: str, rank: int, device: torch.device, timeout_s: float,
+                    warm: bool = True):
     prefix = dist.PrefixStore(f"pair/{key}", store)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td(timeout_s)
-        return dist.ProcessGroupNCCL(prefix, rank, 2, opts)
-    return dist.ProcessGroupGloo(prefix, rank, 2, td(timeout_s))
+        group = dist.ProcessGroupNCCL(prefix, rank, 2, opts)
+    else:
+        group = dist.ProcessGroupGloo(prefix, rank, 2, td(timeout_s))
+    if warm:  # NCCL builds the pair's communicator here, not inside the first pull
+        t = torch.zeros(1, device=device)
+        (group.send([t], 1, 0) if rank == 0 else group.recv([t], 0, 0)).wait(td(timeout_s))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return group
 
 
 class PairGroups:
-    """This rank's pair groups, keyed by pair name and epoch."""
+    """This rank's pair groups, keyed by pair name (and epoch): built once, reused by every
+    pull of the pair. `num_created` / `setup_s` say how many were built and how long it took."""
 
     def __init__(self, device: torch.device, timeout_s: float):
         self.device, self.timeout_s = device, timeout_s
         self.groups: dict[str, object] = {}
+        self.num_created, self.setup_s = 0, 0.0
+        self._lock = threading.Lock()
 
     def get(self, store: dist.Store, key: str, rank: int):
-        if key not in self.groups:
-            self.groups[key] = make_pair_group(store, key, rank, self.device, self.timeout_s)
-        return self.groups[key]
+        with self._lock:
+            group = self.groups.get(key)
+        if group is None:
+            t0 = time.perf_counter()
+            group = make_pair_group(store, key, rank, self.device, self.timeout_s)
+            with self._lock:
+                self.groups[key] = group
+                self.num_created += 1
+                self.setup_s += time.perf_counter() - t0
+        return group
 
     def drop(self, key: str) -> None:
-        self.groups.pop(key, None)
+        with self._lock:
+            self.groups.pop(key, None)
 
-    def send_all(self, group, payloads) -> None:
-        """Send the payloads (an iterator that makes each when asked) with tags 0, 1, ...:
-        payload i+1 is packed while payload i is on the wire."""
+    def send_all(self, group, payloads, first_tag: int = 0, deadline: float | None = None) -> None:
+        """Send the payloads (an iterator that makes each when asked) with tags first_tag, ...:
+        payload i+1 is packed while payload i is on the wire. No wait outlasts `deadline`
+        (time.time(); a lease's end)."""
         pending = None
-        for tag, t in enumerate(payloads):
+        for tag, t in enumerate(payloads, first_tag):
             work = (group.send([t], 1, tag), t)  # keep t alive until its send is done
             if pending is not None:
-                pending[0].wait(td(self.timeout_s))
+                pending[0].wait(self._until(deadline))
             pending = work
         if pending is not None:
-            pending[0].wait(td(self.timeout_s))
+            pending[0].wait(self._until(deadline))
 
-    def recv_all(self, group, buffers: list, consume) -> None:
-        """Receive into buffers[i] (a callable that allocates it) with tag i, then
+    def recv_all(self, group, buffers: list, consume, first_tag: int = 0) -> None:
+        """Receive into buffers[i] (a callable that allocates it) with tag first_tag + i, then
         consume(i, buf); the receive of i+1 is posted before i is consumed."""
         def post(i):
             buf = buffers[i]()
-            return group.recv([buf], 0, i), buf
+            return group.recv([buf], 0, first_tag + i), buf
         pending = post(0) if buffers else None
         for i in range(len(buffers)):
             work, buf = pending
@@ -75,36 +101,26 @@ class PairGroups:
             work.wait(td(self.timeout_s))
             consume(i, buf)
 
+    def _until(self, deadline: float | None) -> datetime.timedelta:
+        if deadline is None:
+            return td(self.timeout_s)
+        return td(max(0.05, min(self.timeout_s, deadline - time.time())))
+
 
 # ---- control messages over the store ---------------------------------------------------------
 def queue_key(engine_id: str, rank: int) -> str:
     return f"pullq/{engine_id}/{rank}"
 
 
-def post_pull(store: dist.Store, engine_id: str, rank: int, msg: dict) -> str:
-    """Append a pull message to a producer rank's queue; returns the key its reply comes under."""
-    msg = dict(msg, reply_key=f"reply/{uuid.uuid4().hex}")
-    seq = store.add(queue_key(engine_id, rank), 1) - 1
-    store.set(f"{queue_key(engine_id, rank)}/{seq}", pickle.dumps(msg))
-    return msg["reply_key"]
+def post_pull(store: dist.Store, engine_id: str, rank: int, msg: dict) -> None:
+    """Push a pull message onto a producer rank's queue (one round trip)."""
+    store.queue_push(queue_key(engine_id, rank), pickle.dumps(msg))
 
 
-def wait_key(store: dist.Store, key: str, timeout_s: float, poll_s: float = 0.002) -> bool:
-    """Poll for a key (store.wait's timeouts log a warning each time)."""
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True
-
-
-def wait_reply(store: dist.Store, key: str, timeout_s: float) -> str:
-    if not wait_key(store, key, timeout_s):
-        raise TimeoutError(f"the producer did not answer a pull within {timeout_s} s")
-    reply = store.get(key).decode()
-    store.delete_key(key)
-    return reply
+def next_message(store: dist.Store, engine_id: str, rank: int) -> dict:
+    """Block until the next message on this producer rank's queue (the store's timeout
+    bounds the wait; a closed store raises)."""
+    return pickle.loads(store.queue_pop(queue_key(engine_id, rank), True))
 
 
 def release_key(engine_id: str, req_id: str) -> str:
