@@ -15,12 +15,15 @@ to_first_step), and the first step (the last prompt token's forward).
 --requests N pulls N prompts one after another over the same pair (target: handover <= 2x
 the pull).
 
---mode itl: ITL (step time of steps that advance them) of --decodes running decodes while
---long-prompts prompts of --tokens arrive every --interval steps: both on one GPU
-(colocated), or prefilled on GPU 0 and pulled by the decoding instance on GPU 1.
+--mode itl: ITL (time of the steps that advance them) of --decodes running decodes while
+--long-prompts prompts of --tokens arrive every --interval steps, until every long prompt
+has its first token: both on one GPU (colocated: one engine prefills them between the
+decodes, chunked), or prefilled by a producer on GPU 0 and pulled by the decoding instance
+on GPU 1 (disaggregated: the decodes share GPU 1 with the pulls and the last prompt token).
 
 Default: Llama-3-8B shape (32 layers, 8 KV heads, head_dim 128, bf16), a 32K-token prompt.
-CPU check: --device cpu --tokens 512 --layers 2 (raw) / --model builtin:llama-tiny (engine).
+CPU check: --device cpu --tokens 512 --layers 2 (raw) / --model builtin:llama-tiny --tokens 200
+(engine, itl; itl also --decodes 4 --decode-tokens 40 --long-prompts 2 --interval 10).
 """
 import argparse
 import datetime
@@ -247,67 +250,86 @@ def itl_engine(args, kv_role=None, gpu="0"):
     return llm, long_prompts
 
 
-def itl_decode_loop(llm, long_params, next_long):
-    """Run --decodes requests; every --interval steps one long prompt arrives (next_long()
-    gives its params, or None when it is not ready yet). Returns the step times (s) of steps
-    that advanced the decodes, and the wall time."""
+def itl_decode_loop(llm, args, arrive, ready):
+    """Run --decodes decodes; long prompt k arrives at step k * --interval (arrive(k)); ready()
+    gives the requests to add now (long prompts whose prefill is done elsewhere, or those
+    just arrived). Runs until every long prompt has its first token and the decodes made
+    --decode-tokens tokens. Returns the times (s) of the steps that advanced the decodes."""
     from longserve import SamplingParams
-    eng, args = llm.engine, long_params
+    eng = llm.engine
+    room = llm.config.scheduler.max_model_len - 8
     decodes = [eng.make_request({"prompt_token_ids": [5 + i, 6, 7, 8]}, SamplingParams(
-        temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)) for i in range(args.decodes)]
+        temperature=0, max_tokens=room, ignore_eos=True)) for i in range(args.decodes)]
     for r in decodes:
         eng.add_request(r)
     while any(r.num_computed_tokens == 0 for r in decodes):
         eng.step()
-    times, step, t_start = [], 0, time.perf_counter()
-    while not all(r.is_finished for r in decodes):
-        if step % args.interval == 0:
-            next_long(eng)
+    longs, times, step = [], [], 0
+    while step < args.decode_tokens or len(longs) < args.long_prompts or not all(r.is_finished for r in longs):
+        if step % args.interval == 0 and step // args.interval < args.long_prompts:
+            arrive(step // args.interval)
+        for req in ready():
+            eng.add_request(req)
+            longs.append(req)
         before = [len(r.output_token_ids) for r in decodes]
         t = time.perf_counter()
         eng.step()
         if any(len(r.output_token_ids) > b for r, b in zip(decodes, before)):
             times.append(time.perf_counter() - t)
         step += 1
-    return times, time.perf_counter() - t_start
+    for r in decodes:
+        eng.abort_request(r.request_id)
+    return times
 
 
-def itl_side(role, args, conn):
+def itl_producer(args, conn):
+    """Prefill the long prompts the consumer asks for, in order; hold their KV for the pulls."""
     from longserve import SamplingParams
-    greedy = dict(temperature=0, ignore_eos=True)
-    if role == "kv_producer":
-        llm, prompts = itl_engine(args, role, "0")
-        conn.send("ready")
-        while True:
-            if conn.poll(0.001):
-                if conn.recv() == "stop":
-                    break
-                out = llm.generate([prompts.pop(0)], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)[0]
-                conn.send(out.kv_transfer_params)
-            elif llm.engine.has_kv_transfers():
-                llm.engine.step()
-        llm.shutdown()
-        return
-    llm, prompts = itl_engine(args, role, "1" if role else "0")
-    todo = list(prompts)
-    if role:
-        conn.recv()  # the producer is up
+    llm, prompts = itl_engine(args, "kv_producer", "0")
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    conn.send("ready")
+    while True:
+        if conn.poll(0.0005):
+            k = conn.recv()
+            if k == "stop":
+                break
+            conn.send(llm.generate([prompts[k]], one, use_tqdm=False)[0].kv_transfer_params)
+        elif llm.engine.has_kv_transfers():
+            llm.engine.step()
+    llm.shutdown()
 
-    def next_long(eng):
-        if not todo:
-            return
-        if role is None:
-            eng.add_request(eng.make_request(todo.pop(0), SamplingParams(max_tokens=1, **greedy)))
-        elif getattr(next_long, "asked", False) is False:
-            conn.send("prefill")
-            next_long.asked = True
-        if role and conn.poll(0):
-            params = conn.recv()
-            eng.add_request(eng.make_request(todo.pop(0), SamplingParams(
-                max_tokens=1, extra_args={"kv_transfer_params": params}, **greedy)))
-            next_long.asked = False
-    times, wall = itl_decode_loop(llm, args, next_long)
-    conn.send((times, wall))
+
+def itl_decoder(args, peer, result):
+    """Run the decodes; long prompts are prefilled here (peer None: colocated) or by the
+    producer at the other end of `peer` and pulled (disaggregated)."""
+    from longserve import SamplingParams
+    llm, prompts = itl_engine(args, "kv_consumer" if peer else None, "1" if peer else "0")
+    eng, arrived, pulled = llm.engine, [], []
+
+    def params(extra=None):
+        return SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                              extra_args=extra and {"kv_transfer_params": extra})
+
+    def arrive(k):
+        if peer:
+            peer.send(k)
+        else:
+            arrived.append(eng.make_request(prompts[k], params()))
+
+    def ready():
+        while peer and peer.poll(0):  # the producer answers in order
+            pulled.append(eng.make_request(prompts[len(pulled)], params(peer.recv())))
+            arrived.append(pulled[-1])
+        out = arrived[:]
+        arrived.clear()
+        return out
+    if peer:
+        assert peer.recv() == "ready"
+    t0 = time.perf_counter()
+    times = itl_decode_loop(llm, args, arrive, ready)
+    result.send((times, time.perf_counter() - t0, eng.stats()))
+    if peer:
+        peer.send("stop")
     llm.shutdown()
 
 
@@ -315,36 +337,33 @@ def run_itl(args):
     ctx = mp.get_context("spawn")
     rows = {}
     for mode in ("colocated", "disaggregated"):
-        conns, procs = [], []
-        roles = [None] if mode == "colocated" else ["kv_producer", "kv_consumer"]
-        for role in roles:
-            a, b = ctx.Pipe()
-            conns.append(a)
-            procs.append(ctx.Process(target=itl_side, args=(role, args, b)))
-            procs[-1].start()
-        if mode == "disaggregated":
-            conns[1].send(conns[0].recv())  # ready
-            while True:  # relay the consumer's asks to the producer, params back
-                if conns[1].poll(0.01):
-                    msg = conns[1].recv()
-                    if msg != "prefill":
-                        times, wall = msg
-                        conns[0].send("stop")
-                        break
-                    conns[0].send("prefill")
-                    conns[1].send(conns[0].recv())
+        result, result_child = ctx.Pipe()
+        procs = []
+        if mode == "colocated":
+            procs.append(ctx.Process(target=itl_decoder, args=(args, None, result_child)))
         else:
-            times, wall = conns[0].recv()
+            p_end, d_end = ctx.Pipe()
+            procs.append(ctx.Process(target=itl_producer, args=(args, p_end)))
+            procs.append(ctx.Process(target=itl_decoder, args=(args, d_end, result_child)))
+        for p in procs:
+            p.start()
+        while not result.poll(1):  # a side that died fails the run instead of hanging it
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise SystemExit(f"{mode}: a process failed (exit codes {[p.exitcode for p in procs]})")
+        times, wall, stats = result.recv()
         for p in procs:
             p.join(120)
         ms = 1000 * np.asarray(times)
         rows[mode] = dict(itl_p50_ms=float(np.percentile(ms, 50)), itl_p99_ms=float(np.percentile(ms, 99)),
-                          itl_max_ms=float(ms.max()), steps=len(ms), wall_s=wall)
-    print(f"{args.decodes} decodes x {args.decode_tokens} tokens, {args.long_prompts} prompts of "
-          f"{args.tokens} tokens arriving every {args.interval} steps")
-    print("| mode | ITL p50 (ms) | ITL p99 (ms) | max (ms) |\n| --- | --- | --- | --- |")
+                          itl_max_ms=float(ms.max()), steps=len(ms), wall_s=wall,
+                          loaded_tokens=stats.get("kv_connector_num_loaded_tokens", 0))
+    print(f"{args.decodes} running decodes (at least {args.decode_tokens} steps), {args.long_prompts} prompts of "
+          f"{args.tokens} tokens arriving every {args.interval} steps, on {args.device}")
+    print("| mode | ITL p50 (ms) | ITL p99 (ms) | max (ms) | decode steps | wall (s) | KV tokens pulled |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for mode, r in rows.items():
-        print(f"| {mode} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['itl_max_ms']:.1f} |")
+        print(f"| {mode} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['itl_max_ms']:.1f} | "
+              f"{r['steps']} | {r['wall_s']:.1f} | {r['loaded_tokens']} |")
     print(json.dumps(rows))
 
 
@@ -353,7 +372,7 @@ def main():
     ap.add_argument("--mode", choices=["raw", "engine", "itl"], default="raw")
     ap.add_argument("--requests", type=int, default=2, help="engine: requests on the same pair, one after another")
     ap.add_argument("--decodes", type=int, default=16, help="itl: running decode requests")
-    ap.add_argument("--decode-tokens", type=int, default=256, help="itl: tokens each decode makes")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="itl: steps the decodes run at least")
     ap.add_argument("--long-prompts", type=int, default=4, help="itl: long prompts that arrive")
     ap.add_argument("--interval", type=int, default=40, help="itl: steps between long prompts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

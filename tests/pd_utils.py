@@ -1,4 +1,5 @@
-"""A producer engine in its own process, driven over a pipe (engine-level disaggregation tests)."""
+"""An engine (a producer, or a consumer) in its own process, driven over a pipe (engine-level
+disaggregation tests)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -39,6 +40,13 @@ def _handle(llm, cmd, arg):
     if cmd == "pool":  # (free blocks, all blocks, held requests)
         kv = llm.engine.kv
         return kv.num_free_blocks, kv.num_blocks, len(llm.engine.scheduler.held)
+    if cmd == "groups":  # pair groups rank 0 built so far
+        return llm.engine.executor.driver.runner.kv_connector.groups.num_created
+    if cmd == "generate":  # as a consumer: (prompt, kv_transfer_params, max_tokens)
+        prompt, params, n = arg
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                            extra_args={"kv_transfer_params": params})
+        return llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
     raise ValueError(cmd)
 
 
@@ -55,10 +63,14 @@ class Producer:
         deadline = time.monotonic() + self.timeout
         while not self.conn.poll(0.05):
             if not self.proc.is_alive():
-                raise RuntimeError(f"the producer died (exit code {self.proc.exitcode})")
+                raise RuntimeError(f"the engine process died (exit code {self.proc.exitcode})")
             if time.monotonic() > deadline:
-                raise TimeoutError("the producer did not answer")
-        return self.conn.recv()
+                raise TimeoutError("the engine process did not answer")
+        try:
+            return self.conn.recv()
+        except EOFError:  # it died: its end of the pipe closed
+            self.proc.join(10)
+            raise RuntimeError(f"the engine process died (exit code {self.proc.exitcode})") from None
 
     def call(self, cmd, arg=None):
         self.conn.send((cmd, arg))

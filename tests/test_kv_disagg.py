@@ -115,6 +115,25 @@ def test_pull_right_after_prefill_with_an_empty_shard(pool_whole):
         prod.close()
 
 
+@pytest.mark.timeout(120)
+def test_later_pulls_reuse_the_pair_group(reference, pool_whole):
+    """A rank pair's process group is built (and warmed) at the first pull and reused by
+    every later one, on both sides."""
+    prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
+    try:
+        with consumer() as cons:
+            groups = cons.engine.executor.driver.runner.kv_connector.groups
+            for prompt, want in zip(PROMPTS, reference):
+                out = cons.generate([prompt], with_params(prod.call("prefill", prompt)), use_tqdm=False)[0]
+                assert out.outputs[0].token_ids == want
+                assert (groups.num_created, prod.call("groups")) == (1, 1)
+            assert cons.engine.stats()["num_prompt_tokens_computed"] == len(PROMPTS)
+            pool_whole(cons)
+        wait_pool_whole(prod, 5)
+    finally:
+        prod.close()
+
+
 @pytest.mark.timeout(180)
 def test_bad_params_are_refused_at_the_door(pool_whole):
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
@@ -203,3 +222,28 @@ def test_consumer_aborts_while_loading(pool_whole):
         wait_pool_whole(prod, 5)
     finally:
         prod.close()
+
+
+@pytest.mark.timeout(90)
+def test_consumer_dies_during_pull_producer_frees_by_the_lease(monkeypatch):
+    """A consumer process that dies in the middle of a pull (it never releases) leaves no
+    producer blocks held past the lease, even with a long transfer timeout."""
+    lease = 3.0
+    prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": lease,
+                                        "kv_transfer_timeout_s": 60})
+    monkeypatch.setenv("LONGSERVE_TEST_KV_FAULT", "consumer_die")  # the consumer inherits it
+    cons = Producer(kv_transfer_config={"kv_role": "kv_consumer", "kv_transfer_timeout_s": 60})
+    monkeypatch.delenv("LONGSERVE_TEST_KV_FAULT")
+    try:
+        p = prod.call("prefill", PROMPTS[1])
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="died"):
+            cons.call("generate", (PROMPTS[1], p, N))
+        cons.proc.join(10)
+        assert cons.proc.exitcode == 9
+        wait_pool_whole(prod, lease + 2 - (time.monotonic() - t0))
+        assert time.monotonic() - t0 < lease + 2
+    finally:
+        cons.close()
+        prod.close()
+    assert not prod.proc.is_alive() and not cons.proc.is_alive()
