@@ -56,6 +56,33 @@ def test_proxy_passes_prefill_errors_through():
     assert [h for h, _, _ in log] == ["prefill"]  # the decode instance never saw it
 
 
+@pytest.mark.timeout(30)
+def test_client_gone_during_prefill_gets_no_decode():
+    """A client that disconnects while the prefill runs: the decode instance is never asked
+    (the prefill instance's blocks go back at the end of their lease)."""
+    import asyncio
+    log = []
+    app = build_app("http://prefill:1", "http://decode:2", transport=upstreams(log))
+    body = json.dumps({"prompt": "hi", "max_tokens": 9, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        return {"type": "http.disconnect"}  # the client has gone
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))
+    assert [h for h, _, _ in log] == ["prefill"]
+    assert sent[0]["status"] == 499
+
+
 def test_proxy_cli_refuses_bad_urls(capsys):
     from longserve.entrypoints.cli import main
     with pytest.raises(SystemExit):

@@ -4,7 +4,8 @@ Each completion / chat request goes to the prefill instance with one output toke
 `kv_transfer_params: {"do_remote_decode": true}`; the decode instance then gets the original
 request plus the `kv_transfer_params` the prefill instance returned, and its answer (a stream
 or one JSON body) is relayed as is. A client that disconnects closes the decode stream (the
-decode instance aborts); blocks the prefill instance holds go back at the end of their lease.
+decode instance aborts); one gone before the prefill answers gets no decode at all. Blocks the
+prefill instance holds for a decode that never pulls go back at the end of their lease.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def build_app(prefill_url: str, decode_url: str, transport: httpx.AsyncBaseTrans
         r = await client.post(prefill_url.rstrip("/") + path, json=prefill, headers=headers)
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type="application/json")
+        if await request.is_disconnected():  # nobody to answer: the producer's lease frees its blocks
+            return Response(status_code=499)
         decode = dict(body, kv_transfer_params=r.json().get("kv_transfer_params"))
         url = decode_url.rstrip("/") + path
         if not body.get("stream"):
