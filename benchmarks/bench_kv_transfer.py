@@ -13,7 +13,7 @@ group's set-up (first request only: built once per rank pair, then reused), cont
 trips, the pull itself, the rest of the load, the engine noticing it (together:
 to_first_step), and the first step (the last prompt token's forward).
 --requests N pulls N prompts one after another over the same pair (target: handover <= 2x
-the pull).
+the pull); --connect-eagerly: the consumer builds the pair groups at its start (kv_connect).
 
 --mode itl: ITL (time of the steps that advance them) of --decodes running decodes while
 --long-prompts prompts of --tokens arrive every --interval steps, until every long prompt
@@ -116,8 +116,12 @@ def engine_llm(role, args, gpu):
     if args.device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from longserve import LLM
+    kvt = {"kv_role": role, "kv_lease_s": 120, "kv_transfer_timeout_s": 120}
+    if args.connect_eagerly:  # the consumer builds the pair groups at its start
+        kvt.update({"kv_port": args.kv_port} if role == "kv_producer" else
+                   {"kv_connect": [f"127.0.0.1:{args.kv_port}"]})
     kw = dict(device=args.device, max_model_len=args.tokens + 64, enable_prefix_caching=False,
-              kv_transfer_config={"kv_role": role, "kv_lease_s": 120, "kv_transfer_timeout_s": 120})
+              kv_transfer_config=kvt)
     if args.model.endswith("-shape"):
         kw.update(load_format="dummy", dtype="bfloat16")
     llm = LLM(args.model, **kw)
@@ -197,6 +201,8 @@ def consumer_side(args, conn):
 
 
 def run_engine(args):
+    from longserve.engine.executor import free_port
+    args.kv_port = free_port()
     ctx = mp.get_context("spawn")
     (p_conn, p_child), (c_conn, c_child) = ctx.Pipe(), ctx.Pipe()
     procs = [ctx.Process(target=producer_side, args=(args, p_child)),
@@ -216,6 +222,7 @@ def run_engine(args):
     p_conn.send("stop")
     for p in procs:
         p.join(120)
+    print(f"pair groups built {'at the consumer start (kv_connect)' if args.connect_eagerly else 'at the first pull'}")
     print(f"prompt {args.tokens} tokens on {args.device}; producer prefill "
           f"{', '.join(f'{1000 * s:.0f}' for s in prefill_s)} ms; consumer loaded "
           f"{stats.get('kv_connector_num_loaded_tokens')} tokens, computed {stats['num_prompt_tokens_computed']}")
@@ -223,7 +230,7 @@ def run_engine(args):
     print("| request | " + " | ".join(f"{n} (ms)" if n != "groups_created" else n for n in names) + " |")
     print("| --- " * (len(names) + 1) + "|")
     for i, r in enumerate(rows):
-        label = "first (new pair)" if i == 0 else f"#{i + 1} (same pair)"
+        label = f"#{i + 1}" + (" (first on the pair)" if i == 0 else "")
         print(f"| {label} | " + " | ".join(f"{1000 * r[n]:.1f}" if n != "groups_created" else str(r[n])
                                            for n in names) + " |")
     for i, r in enumerate(rows):
@@ -371,6 +378,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["raw", "engine", "itl"], default="raw")
     ap.add_argument("--requests", type=int, default=2, help="engine: requests on the same pair, one after another")
+    ap.add_argument("--connect-eagerly", action="store_true",
+                    help="engine: the consumer builds its pair groups at start (kv_connect)")
     ap.add_argument("--decodes", type=int, default=16, help="itl: running decode requests")
     ap.add_argument("--decode-tokens", type=int, default=256, help="itl: steps the decodes run at least")
     ap.add_argument("--long-prompts", type=int, default=4, help="itl: long prompts that arrive")

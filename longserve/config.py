@@ -266,6 +266,9 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"  # or "fail": the request ends with an error
     kv_buffer_layout: str = "NHD"  # block layout on the wire: NHD or HND
     kv_offload_bytes: int = 0  # host pool for blocks evicted from the device cache (0: off)
+    # a consumer's producers ("host:port" of their kv_ip/kv_port): the pair groups with them are
+    # built and warmed at start, so not even the first pull pays for them
+    kv_connect: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVTransferConfig":
@@ -292,6 +295,18 @@ class KVTransferConfig:
             raise ValueError("CPU offload and kv_role cannot be combined yet: use one of them")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port must be in [0, 65536), got {self.kv_port}")
+        self._validate_connect()
+
+    def _validate_connect(self) -> None:
+        if not isinstance(self.kv_connect, list):
+            raise ValueError(f"kv_connect must be a list of 'host:port', got {self.kv_connect!r}")
+        if self.kv_connect and self.kv_role not in ("kv_consumer", "kv_both"):
+            raise ValueError(f"kv_connect needs kv_role kv_consumer or kv_both, got {self.kv_role!r}")
+        for addr in self.kv_connect:
+            host, _, port = str(addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"kv_connect entries must be 'host:port' with a port in "
+                                 f"[1, 65536), got {addr!r}")
 
 
 @dataclass

@@ -118,16 +118,32 @@ def test_pull_right_after_prefill_with_an_empty_shard(pool_whole):
 @pytest.mark.timeout(120)
 def test_later_pulls_reuse_the_pair_group(reference, pool_whole):
     """A rank pair's process group is built (and warmed) at the first pull and reused by
-    every later one, on both sides."""
+    every later one, on both sides; with kv_connect, at the consumer's start."""
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
     try:
         with consumer() as cons:
             groups = cons.engine.executor.driver.runner.kv_connector.groups
             for prompt, want in zip(PROMPTS, reference):
-                out = cons.generate([prompt], with_params(prod.call("prefill", prompt)), use_tqdm=False)[0]
+                p = prod.call("prefill", prompt)
+                out = cons.generate([prompt], with_params(p), use_tqdm=False)[0]
                 assert out.outputs[0].token_ids == want
                 assert (groups.num_created, prod.call("groups")) == (1, 1)
             assert cons.engine.stats()["num_prompt_tokens_computed"] == len(PROMPTS)
+            pool_whole(cons)
+        wait_pool_whole(prod, 5)
+        # kv_connect: a consumer builds the pair's group at its start; its pull builds none
+        addr = f"{p['remote_host']}:{p['remote_port']}"
+        p = prod.call("prefill", PROMPTS[0])
+        with consumer(kvt={"kv_connect": [addr]}) as cons:
+            groups = cons.engine.executor.driver.runner.kv_connector.groups
+            deadline = time.monotonic() + 10
+            while groups.num_created == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert (groups.num_created, prod.call("groups")) == (1, 2)
+            out = cons.generate([PROMPTS[0]], with_params(p), use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == reference[0]
+            assert (groups.num_created, prod.call("groups")) == (1, 2)
+            assert cons.engine.stats()["num_prompt_tokens_computed"] == 1
             pool_whole(cons)
         wait_pool_whole(prod, 5)
     finally:

@@ -89,6 +89,11 @@ def test_offload_config_errors():
         LLM("builtin:llama-tiny", device="cpu", kv_offload_gb=0.01, data_parallel_size=2)
     with pytest.raises(ValueError, match="kv_role must be one of"):
         LLM("builtin:llama-tiny", device="cpu", kv_transfer_config={"kv_role": "producer"})
+    for bad, match in (({"kv_role": "kv_producer", "kv_connect": ["h:1"]}, "needs kv_role"),
+                       ({"kv_role": "kv_consumer", "kv_connect": ["localhost"]}, "host:port"),
+                       ({"kv_role": "kv_consumer", "kv_connect": "h:1"}, "list")):
+        with pytest.raises(ValueError, match=match):
+            LLM("builtin:llama-tiny", device="cpu", kv_transfer_config=bad)
 
 
 @pytest.mark.timeout(240)

@@ -19,6 +19,7 @@ the load (or on a full local hit) the consumer writes the producer's release key
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -64,6 +65,8 @@ def host_store(config):
     store = dist.TCPStore(kvt.kv_ip, kvt.kv_port, is_master=True, wait_for_workers=False,
                           timeout=td(kvt.kv_transfer_timeout_s))
     kvt.kv_port = store.port
+    # what a consumer that connects at start (kv_connect) needs to build its pair groups
+    store.set("engine_info", json.dumps(dict(engine_id=kvt.engine_id, layout=asdict(layout_of(config)))))
     return store
 
 
@@ -227,6 +230,8 @@ class P2pConnectorWorker:
                       connect_store(kvt.kv_ip, kvt.kv_port, kvt.kv_transfer_timeout_s))
             self.server = threading.Thread(target=self._serve_loop, args=stores, daemon=True)
             self.server.start()
+        if kvt.kv_connect:
+            threading.Thread(target=self._connect_all, args=(list(kvt.kv_connect),), daemon=True).start()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         seen = set()
@@ -294,7 +299,10 @@ class P2pConnectorWorker:
             if msg.get("stop"):
                 return
             try:
-                self._serve(msg, store)
+                if msg.get("connect"):  # a consumer builds the pair's group at its start
+                    self.groups.get(store, msg["pair"], 0)
+                else:
+                    self._serve(msg, store)
             except Exception as e:  # noqa: BLE001 - the consumer side failed: it recomputes
                 log.warning("serving a KV pull of request %s failed: %s", msg.get("req_id"), e)
                 self.groups.drop(msg["pair"])
@@ -364,13 +372,35 @@ class P2pConnectorWorker:
             if not ok:
                 self.failed_blocks.update(spec.block_ids[spec.start // self.layout.tokens_per_block:])
 
+    def _connect_all(self, addrs: list[str]) -> None:
+        """kv_connect: build (and warm) the pair groups with each producer's ranks this rank
+        pulls from, before any request; a pull of the pair waits for it (the pair's lock)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        for addr in addrs:
+            host, _, port = addr.rpartition(":")
+            try:
+                store = self._store_at(host, int(port))
+                info = json.loads(store.get("engine_info"))
+                remote = KVLayout(**info["layout"])
+                for remote_rank in sorted({p.remote_rank for p in plan_kv_pieces(self.layout, remote, self.rank)}):
+                    pair_id = f"{info['engine_id']}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
+                    with self.pair_locks.setdefault(pair_id, threading.Lock()):
+                        pair = f"{pair_id}/{self.epochs[pair_id]}"
+                        post_pull(store, info["engine_id"], remote_rank, {"connect": True, "pair": pair})
+                        self.groups.get(store, pair, 1)
+            except Exception as e:  # noqa: BLE001 - the first pull builds them instead
+                log.warning("could not connect to the producer at %s: %s", addr, e)
+
+    def _store_at(self, host: str, port: int):
+        if (host, port) not in self.stores:
+            self.stores[(host, port)] = connect_store(host, port, timeout_s=self.kvt.kv_transfer_timeout_s)
+        return self.stores[(host, port)]
+
     def _pull_all(self, spec: LoadSpec, times: dict) -> None:
         p = spec.params
         remote = KVLayout(**p["remote_layout"])
-        addr = (p["remote_host"], int(p["remote_port"]))
-        if addr not in self.stores:
-            self.stores[addr] = connect_store(*addr, timeout_s=self.kvt.kv_transfer_timeout_s)
-        store = self.stores[addr]
+        store = self._store_at(p["remote_host"], int(p["remote_port"]))
         pieces = plan_kv_pieces(self.layout, remote, self.rank)
         by_rank = defaultdict(list)
         for piece in pieces:
