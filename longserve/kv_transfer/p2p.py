@@ -5,8 +5,9 @@ Producer (kv_role kv_producer): `request_finished` keeps a finished request's bl
 by the scheduler) and returns transfer params (engine id, store address, block ids, KV
 layout). Each producer rank serves pulls from a thread: it packs the pieces a consumer rank
 asks for (only while the request is held and its lease runs) and sends them over the pair's
-process group (built and warmed at the pair's first pull, reused by every later one). A held request is let go when the consumer writes its release key or the
-lease ends, and never while a pull is reading it; the workers report it finished sending and
+process group (built and warmed at the pair's first pull, reused by every later one). A held
+request is let go when the consumer writes its release key or the lease ends, and never while
+a pull is reading it (no send outlasts the lease); the workers report it finished sending and
 the scheduler frees its blocks.
 
 Consumer (kv_role kv_consumer): a request with kv_transfer_params {"do_remote_prefill": true,
@@ -291,6 +292,8 @@ class P2pConnectorWorker:
             return True
 
     def _serve_loop(self, queue_store, store) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's NCCL calls and allocations
         while not self.stopping.is_set():
             try:
                 msg = next_message(queue_store, self.kvt.engine_id, self.rank)
@@ -383,7 +386,8 @@ class P2pConnectorWorker:
                 store = self._store_at(host, int(port))
                 info = json.loads(store.get("engine_info"))
                 remote = KVLayout(**info["layout"])
-                for remote_rank in sorted({p.remote_rank for p in plan_kv_pieces(self.layout, remote, self.rank)}):
+                ranks = {p.remote_rank for p in plan_kv_pieces(self.layout, remote, self.rank)}
+                for remote_rank in sorted(ranks):
                     pair_id = f"{info['engine_id']}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
                     with self.pair_locks.setdefault(pair_id, threading.Lock()):
                         pair = f"{pair_id}/{self.epochs[pair_id]}"
@@ -408,7 +412,8 @@ class P2pConnectorWorker:
         rng = PieceRange(spec.start, spec.end, tuple(p["remote_block_ids"]), tuple(spec.block_ids))
         for remote_rank, mine in sorted(by_rank.items()):
             pair_id = f"{p['remote_engine_id']}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
-            with self.pair_locks.setdefault(pair_id, threading.Lock()):  # a pair's tags carry one pull at a time
+            # a pair's tags carry one pull at a time
+            with self.pair_locks.setdefault(pair_id, threading.Lock()):
                 self._pull(store, p, remote_rank, mine, remote, rng, times)
 
     def _pull(self, store, p: dict, remote_rank: int, pieces: list, remote: KVLayout,
