@@ -388,13 +388,23 @@ class P2pConnectorWorker:
                 remote = KVLayout(**info["layout"])
                 ranks = {p.remote_rank for p in plan_kv_pieces(self.layout, remote, self.rank)}
                 for remote_rank in sorted(ranks):
-                    pair_id = f"{info['engine_id']}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
-                    with self.pair_locks.setdefault(pair_id, threading.Lock()):
-                        pair = f"{pair_id}/{self.epochs[pair_id]}"
-                        post_pull(store, info["engine_id"], remote_rank, {"connect": True, "pair": pair})
-                        self.groups.get(store, pair, 1)
+                    self._connect_pair(store, info["engine_id"], remote_rank)
             except Exception as e:  # noqa: BLE001 - the first pull builds them instead
                 log.warning("could not connect to the producer at %s: %s", addr, e)
+
+    def _connect_pair(self, store, engine_id: str, remote_rank: int) -> None:
+        pair_id = self._pair_id(engine_id, remote_rank)
+        with self.pair_locks.setdefault(pair_id, threading.Lock()):
+            pair = f"{pair_id}/{self.epochs[pair_id]}"
+            post_pull(store, engine_id, remote_rank, {"connect": True, "pair": pair})
+            try:
+                self.groups.get(store, pair, 1)
+            except Exception:
+                self.epochs[pair_id] += 1  # a pull starts afresh under a new name
+                raise
+
+    def _pair_id(self, engine_id: str, remote_rank: int) -> str:
+        return f"{engine_id}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
 
     def _store_at(self, host: str, port: int):
         if (host, port) not in self.stores:
@@ -411,7 +421,7 @@ class P2pConnectorWorker:
             by_rank[piece.remote_rank].append(piece)
         rng = PieceRange(spec.start, spec.end, tuple(p["remote_block_ids"]), tuple(spec.block_ids))
         for remote_rank, mine in sorted(by_rank.items()):
-            pair_id = f"{p['remote_engine_id']}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
+            pair_id = self._pair_id(p["remote_engine_id"], remote_rank)
             # a pair's tags carry one pull at a time
             with self.pair_locks.setdefault(pair_id, threading.Lock()):
                 self._pull(store, p, remote_rank, mine, remote, rng, times)
@@ -420,7 +430,7 @@ class P2pConnectorWorker:
               rng: PieceRange, times: dict) -> None:
         """times: seconds in group set-up, control (post + the producer's status) and the
         payloads (receive + unpack), added up over the producer ranks."""
-        pair_id = f"{p['remote_engine_id']}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
+        pair_id = self._pair_id(p["remote_engine_id"], remote_rank)
         pair = f"{pair_id}/{self.epochs[pair_id]}"
         chunk = max(1, len(self.caches) // 4)
         t0 = time.perf_counter()
