@@ -194,7 +194,9 @@ def consumer_side(args, conn):
         out = llm.generate([prompts[i]], SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": params},
                                                         **greedy), use_tqdm=False)[0]
         assert out.error is None and len(out.outputs[0].token_ids) == 2, out
-        row = handover_parts(out, worker.timings[out.request_id], steps)
+        timing = worker.timings[out.request_id]
+        assert timing["ok"], "the pull failed (the prompt was recomputed): see the log"
+        row = handover_parts(out, timing, steps)
         rows.append(dict(row, groups_created=worker.groups.num_created - created))
     conn.send((rows, llm.engine.stats()))
     llm.shutdown()

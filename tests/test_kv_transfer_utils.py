@@ -275,3 +275,29 @@ def test_head_placement_is_the_models(heads, tp, dcp):
     for r in range(tp):
         group = SimpleNamespace(world_size=tp, rank_in_group=r)
         assert kv_heads_of_rank(heads, tp, r, dcp) == kv_head_range(heads, group, dcp)
+
+
+@pytest.mark.timeout(60)
+def test_pair_group_warm_wait_and_timeout():
+    """A pair's two ranks (threads here) build and warm their group; wait_work waits for a
+    receive and gives up after its timeout when nothing is sent."""
+    import threading
+    import torch.distributed as dist
+    from longserve.kv_transfer.transport import make_pair_group, wait_work
+    store, groups = dist.HashStore(), {}
+
+    def build(rank):
+        groups[rank] = make_pair_group(store, "t", rank, torch.device("cpu"), 10)
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    waiter = torch.device("cpu")
+    got, sent = torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])
+    recv = groups[1].recv([got], 0, 5)
+    wait_work(groups[0].send([sent], 1, 5), 5, waiter)
+    wait_work(recv, 5, waiter)
+    assert got.tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises((TimeoutError, RuntimeError)):
+        wait_work(groups[1].recv([got], 0, 6), 0.3, waiter)

@@ -36,7 +36,7 @@ import torch
 from longserve.kv_transfer.topology import KVLayout, plan_kv_pieces
 from longserve.kv_transfer.transfer import PieceRange, pack_piece, payload_shape, unpack_piece
 from longserve.kv_transfer.transport import (PairGroups, connect_store, next_message, post_pull,
-                                             release_key, td)
+                                             release_key, td, wait_work)
 
 log = logging.getLogger(__name__)
 PARAM_KEYS = ("do_remote_prefill", "remote_engine_id", "remote_host", "remote_port",
@@ -330,7 +330,7 @@ class P2pConnectorWorker:
         group = self.groups.get(store, msg["pair"], 0)
         h = self._take_reader(msg["req_id"])
         status = torch.tensor([0 if h is None else 1], dtype=torch.int64, device=self.device)
-        group.send([status], 1, 0).wait(td(self.kvt.kv_transfer_timeout_s))
+        wait_work(group.send([status], 1, 0), self.kvt.kv_transfer_timeout_s, self.device)
         if h is None:
             return
         try:
@@ -442,7 +442,7 @@ class P2pConnectorWorker:
             group = self.groups.get(store, pair, 1)
             t2 = time.perf_counter()
             status = torch.zeros(1, dtype=torch.int64, device=self.device)
-            group.recv([status], 0, 0).wait(td(self.kvt.kv_transfer_timeout_s))
+            wait_work(group.recv([status], 0, 0), self.kvt.kv_transfer_timeout_s, self.device)
             held = bool(status.item())
             t3 = time.perf_counter()
             if held:

@@ -43,10 +43,23 @@ def make_pair_group(store: dist.Store, key: str, rank: int, device: torch.device
         group = dist.ProcessGroupGloo(prefix, rank, 2, td(timeout_s))
     if warm:  # NCCL builds the pair's communicator here, not inside the first pull
         t = torch.zeros(1, device=device)
-        (group.send([t], 1, 0) if rank == 0 else group.recv([t], 0, 0)).wait(td(timeout_s))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        wait_work(group.send([t], 1, 0) if rank == 0 else group.recv([t], 0, 0), timeout_s, device)
     return group
+
+
+def wait_work(work, timeout_s: float, device: torch.device) -> None:
+    """Wait for a send/recv, at most timeout_s. gloo: wait(timeout). NCCL: poll
+    is_completed() every 50 us, then wait() (orders this thread's stream after it): NCCL's
+    wait(timeout) polls every 1-10 ms, a stall as long as a whole 16 ms transfer."""
+    if device.type != "cuda":
+        work.wait(td(timeout_s))
+        return
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a KV send/recv did not complete within {timeout_s:.1f} s")
+        time.sleep(50e-6)
+    work.wait()
 
 
 class PairGroups:
@@ -83,10 +96,10 @@ class PairGroups:
         for tag, t in enumerate(payloads, first_tag):
             work = (group.send([t], 1, tag), t)  # keep t alive until its send is done
             if pending is not None:
-                pending[0].wait(self._until(deadline))
+                wait_work(pending[0], self._until(deadline), self.device)
             pending = work
         if pending is not None:
-            pending[0].wait(self._until(deadline))
+            wait_work(pending[0], self._until(deadline), self.device)
 
     def recv_all(self, group, buffers: list, consume, first_tag: int = 0) -> None:
         """Receive into buffers[i] (a callable that allocates it) with tag first_tag + i, then
@@ -98,13 +111,13 @@ class PairGroups:
         for i in range(len(buffers)):
             work, buf = pending
             pending = post(i + 1) if i + 1 < len(buffers) else None
-            work.wait(td(self.timeout_s))
+            wait_work(work, self.timeout_s, self.device)
             consume(i, buf)
 
-    def _until(self, deadline: float | None) -> datetime.timedelta:
+    def _until(self, deadline: float | None) -> float:
         if deadline is None:
-            return td(self.timeout_s)
-        return td(max(0.05, min(self.timeout_s, deadline - time.time())))
+            return self.timeout_s
+        return max(0.05, min(self.timeout_s, deadline - time.time()))
 
 
 # ---- control messages over the store ---------------------------------------------------------
