@@ -345,7 +345,7 @@ def itl_decoder(args, peer, result):
 def run_itl(args):
     ctx = mp.get_context("spawn")
     rows = {}
-    for mode in ("colocated", "disaggregated"):
+    for mode in ("colocated", "disaggregated") if args.itl_mode == "both" else (args.itl_mode,):
         result, result_child = ctx.Pipe()
         procs = []
         if mode == "colocated":
@@ -382,6 +382,8 @@ def main():
     ap.add_argument("--requests", type=int, default=2, help="engine: requests on the same pair, one after another")
     ap.add_argument("--connect-eagerly", action="store_true",
                     help="engine: the consumer builds its pair groups at start (kv_connect)")
+    ap.add_argument("--itl-mode", default="both", choices=["both", "colocated", "disaggregated"],
+                    help="itl: which set-ups to run (one per call keeps each call short)")
     ap.add_argument("--decodes", type=int, default=16, help="itl: running decode requests")
     ap.add_argument("--decode-tokens", type=int, default=256, help="itl: steps the decodes run at least")
     ap.add_argument("--long-prompts", type=int, default=4, help="itl: long prompts that arrive")
