@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import threading
 import time
 import uuid
