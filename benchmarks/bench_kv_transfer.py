@@ -20,6 +20,7 @@ the pull); --connect-eagerly: the consumer builds the pair groups at its start (
 has its first token: both on one GPU (colocated: one engine prefills them between the
 decodes, chunked), or prefilled by a producer on GPU 0 and pulled by the decoding instance
 on GPU 1 (disaggregated: the decodes share GPU 1 with the pulls and the last prompt token).
+Both schedule synchronously (KV transfer needs it) unless --colocated-async.
 
 Default: Llama-3-8B shape (32 layers, 8 KV heads, head_dim 128, bf16), a 32K-token prompt.
 CPU check: --device cpu --tokens 512 --layers 2 (raw) / --model builtin:llama-tiny --tokens 200
@@ -249,6 +250,8 @@ def itl_engine(args, kv_role=None, gpu="0"):
     kw = dict(device=args.device, max_model_len=args.tokens + args.decode_tokens + 64)
     if kv_role:
         kw["kv_transfer_config"] = {"kv_role": kv_role, "kv_lease_s": 300, "kv_transfer_timeout_s": 300}
+    else:  # as the consumer (KV transfer runs synchronously), unless --colocated-async
+        kw["async_scheduling"] = args.colocated_async
     if args.model.endswith("-shape"):
         kw.update(load_format="dummy", dtype="bfloat16")
     llm = LLM(args.model, **kw)
@@ -384,6 +387,8 @@ def main():
                     help="engine: the consumer builds its pair groups at start (kv_connect)")
     ap.add_argument("--itl-mode", default="both", choices=["both", "colocated", "disaggregated"],
                     help="itl: which set-ups to run (one per call keeps each call short)")
+    ap.add_argument("--colocated-async", action="store_true",
+                    help="itl: the colocated engine schedules asynchronously (default: synchronously, as the consumer)")
     ap.add_argument("--decodes", type=int, default=16, help="itl: running decode requests")
     ap.add_argument("--decode-tokens", type=int, default=256, help="itl: steps the decodes run at least")
     ap.add_argument("--long-prompts", type=int, default=4, help="itl: long prompts that arrive")
