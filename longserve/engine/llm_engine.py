@@ -139,8 +139,9 @@ class LLMEngine:
             return self._step_async(out, idle)
         if idle:
             return self.scheduler.update_from_output(out, {})  # any finished while planning
-        if out.is_empty and transfers:
-            time.sleep(0.002)  # only polling the connectors: do not spin
+        if out.is_empty and transfers and out.kv_connector_metadata is None:
+            time.sleep(0.002)  # only polling the connectors: do not spin (a step that starts
+            # a load or announces a hold goes at once)
         return self._apply(out, self.executor.execute(out))
 
     def _step_async(self, out, idle: bool) -> list[Request]:
