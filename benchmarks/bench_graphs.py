@@ -1,10 +1,12 @@
 """Piecewise CUDA graphs for steps with prefill (worker/piecewise_graphs.py): correctness and speed.
 
 1. Teacher-forced, on every step with prefill of a 256 x 1024-token batch (8 to 248 decodes
-   beside ~8K prefill tokens): the eager forward and the piecewise one on the same inputs;
-   max |logit difference|, argmax agreement, and the time of each forward (host included).
+   beside ~8K prefill tokens), then of steps of 248 decodes beside 256 to ~8K prefill tokens:
+   the eager forward and the piecewise one on the same inputs; max |logit difference|,
+   argmax agreement, and the time of each forward (host included, median of --reps).
 2. The full offline run, N x (1024 in + 256 out), greedy, with piecewise graphs on and off
-   (LONGSERVE_PIECEWISE=off: decode graphs only), with the per-step breakdown.
+   (LONGSERVE_PIECEWISE=off: decode graphs only), with the per-step breakdown and the GPU
+   busy share over a window of mixed steps (bench_async.profile_window).
 
     python benchmarks/bench_graphs.py                        # one GPU, Qwen3-0.6B shape, bf16
     python benchmarks/bench_graphs.py --device cpu --model builtin:qwen3-tiny --dtype float32 \
@@ -17,7 +19,8 @@ import time
 import numpy as np
 import torch
 
-from bench_offline import print_step_breakdown, random_prompts, record_steps
+from bench_async import profile_window, spy_steps
+from bench_offline import print_step_breakdown, random_prompts
 from longserve import LLM, SamplingParams
 
 
@@ -53,7 +56,9 @@ def timed(fn, device, reps):
 
 
 def compare_steps(llm, args):
-    """Run every step with prefill both ways (teacher-forced: the same inputs and cache)."""
+    """Run every step with prefill both ways (teacher-forced: the same inputs and cache):
+    a 256 x 1024 batch (the offline run's mixed steps), then a sweep of mixed steps of
+    248 decodes + P prefill tokens."""
     runner = llm.engine.executor.driver.runner
     pw, inner, rows = runner.piecewise, runner.run_model, []
     if pw is None:
@@ -75,12 +80,32 @@ def compare_steps(llm, args):
         return piece
     runner.run_model = both
     try:
-        llm.generate(random_prompts(llm, args.num_prompts, args.input_len, 5),
+        llm.generate(random_prompts(llm, args.num_prompts, args.input_len, 11),
                      SamplingParams(max_tokens=4 + args.num_prompts * args.input_len // args.budget,
                                     ignore_eos=True), use_tqdm=False)
+        print_comparison(rows)
+        rows.clear()
+        sweep(llm, args)
+        print_comparison(rows)
     finally:
         runner.run_model = inner
-    print_comparison(rows)
+
+
+def sweep(llm, args):
+    """Steps of D requests decoding (D = num_prompts - 8, prefilled with 32-token prompts)
+    beside P new prompt tokens, P from 1/32 of the budget to what the budget leaves."""
+    eng, d = llm.engine, max(1, args.num_prompts - 8)
+    sizes = sorted({args.budget // 32, args.budget // 16, args.budget // 8, args.budget // 4,
+                    args.budget // 2, args.budget - d} - {0})
+    for i, p in enumerate(x for x in sizes if x > 0):
+        length = min(p, args.input_len)
+        for x in random_prompts(llm, d, 32, 100 + i):
+            eng.add_request(eng.make_request(x, SamplingParams(max_tokens=6, ignore_eos=True)))
+        eng.step()  # the decoders' prompts (one step when d * 32 <= budget)
+        for x in random_prompts(llm, p // length, length, 200 + i):
+            eng.add_request(eng.make_request(x, SamplingParams(max_tokens=1, ignore_eos=True)))
+        while eng.has_unfinished():
+            eng.step()
 
 
 def print_comparison(rows):
@@ -101,7 +126,7 @@ def full_run(llm, args):
     n, inp, out = args.num_prompts, args.input_len, args.output_len
     llm.generate(random_prompts(llm, n, inp, 7), SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # warm-up on other prompts: no prefix-cache hits below
-    steps = record_steps(llm)
+    steps = spy_steps(llm)  # per engine.step(): with async scheduling, the step period
     pw = llm.engine.executor.driver.runner.piecewise
     before = 0 if pw is None else pw.num_steps
     sync(args.device)
@@ -112,6 +137,9 @@ def full_run(llm, args):
     total = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == out for o in outs)
     print_step_breakdown(steps, total)
+    if args.device == "cuda":  # GPU busy share over 6 steps with prefill chunks (torch.profiler)
+        busy, _ = profile_window(llm, n, inp, 6, mixed=True)
+        print(f"  GPU busy over 6 mixed steps: {busy:.3f}", flush=True)
     return total, [o.outputs[0].token_ids for o in outs], 0 if pw is None else pw.num_steps - before
 
 
@@ -136,7 +164,7 @@ def main():
     args = ap.parse_args()
     on = "graphs" if args.device == "cuda" else "eager"  # no graphs on CPU: the same path, called
     llm = build(args, on)
-    compare_steps(llm, args)
+    compare_steps(llm, args)  # (the compare runs take the warm-up's place for the full run)
     results = {}
     print(f"\nfull run, piecewise {on}:", flush=True)
     results[on] = full_run(llm, args)

@@ -28,14 +28,19 @@ def prompts(seed, lengths):
 
 def checking_runs(runner):
     """Every piecewise run also runs the eager forward first and compares bit for bit.
-    Returns the log: (tokens, decode rows, has cached context) per step."""
+    Returns the log: (tokens, decode rows, has cached context) per step.
+
+    Rows are independent in exact arithmetic, but BLAS may pick another kernel for a tiny
+    row count (matmuls of <= 4 rows differ in the last bit on x86 CPUs): steps of fewer than
+    8 tokens (padded to 16) are compared to within 1e-5."""
     pw, log = runner.piecewise, []
     run = pw.run
 
     def both(input_ids, positions, meta):
         ref = runner.model(input_ids, positions, meta).clone()  # stores the same K/V first
         out = run(input_ids, positions, meta)
-        assert torch.equal(out, ref)
+        t = input_ids.shape[0]
+        assert torch.equal(out, ref) if t >= 8 else torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
         log.append((input_ids.shape[0], meta.num_decode_tokens, meta.prefix is not None))
         return out
     pw.run = both

@@ -116,7 +116,7 @@ class PiecewiseGraphs:
         q, k, v = self.q[:t], self.k[:t], self.v[:t]
         if i in self.kv_targets:  # the buffers are overwritten by the next segment
             k, v = k.clone(), v.clone()
-        self.attn_out[:t].copy_(attn(q, k, v, meta))
+        attn(q, k, v, meta, out=self.attn_out[:t])
 
     def segment(self, i: int, b: int) -> None:
         """Segment i over the first b rows of the static buffers (what a graph captures)."""
