@@ -22,6 +22,7 @@ import torch
 from bench_async import profile_window, spy_steps
 from bench_offline import print_step_breakdown, random_prompts
 from longserve import LLM, SamplingParams
+from longserve.worker import piecewise_graphs
 
 
 def sync(device):
@@ -161,7 +162,11 @@ def main():
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--reps", type=int, default=3, help="timed forwards per step and path")
+    ap.add_argument("--max-graph-tokens", type=int, default=None,
+                    help="largest step run piecewise (default: piecewise_graphs.MAX_GRAPH_TOKENS)")
     args = ap.parse_args()
+    if args.max_graph_tokens is not None:  # read when the engine's runner builds its buckets
+        piecewise_graphs.MAX_GRAPH_TOKENS = args.max_graph_tokens
     on = "graphs" if args.device == "cuda" else "eager"  # no graphs on CPU: the same path, called
     llm = build(args, on)
     compare_steps(llm, args)  # (the compare runs take the warm-up's place for the full run)
