@@ -36,13 +36,14 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5,
                               kv_sharing_target=cfg.kv_sharing.get(layer_idx))
 
-    def qkv(self, cos_sin, hidden):
-        """hidden [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D]: projected, RoPE applied."""
+    def qkv(self, cos_sin, hidden, out=None):
+        """hidden [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D]: projected, RoPE applied
+        (q and k written into out = (q_out, k_out) when given)."""
         q, k, v = self.qkv_proj(hidden)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(cos_sin, q, k, self.q_norm, self.k_norm)  # Qwen3: q/k norm first
+        q, k = self.rotary(cos_sin, q, k, self.q_norm, self.k_norm, out)  # Qwen3: q/k norm first
         return q, k, v
 
 
@@ -84,15 +85,16 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp)
         return self.post_attention(self.self_attn.attn(q, k, v, meta), residual, sp)
 
-    def before_attention(self, cos_sin, hidden, residual, sp: bool = False):
-        """Input norm (+ residual add), QKV projection, q/k norm and RoPE -> q, k, v, residual."""
+    def before_attention(self, cos_sin, hidden, residual, sp: bool = False, out=None):
+        """Input norm (+ residual add), QKV projection, q/k norm and RoPE -> q, k, v, residual
+        (out: buffers for q and k, see LlamaAttention.qkv)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         if sp:
             hidden = self.tp.all_gather(hidden, 0)
-        q, k, v = self.self_attn.qkv(cos_sin, hidden)
+        q, k, v = self.self_attn.qkv(cos_sin, hidden, out)
         return q, k, v, residual
 
     def after_attention(self, attn_out, residual, sp: bool = False, dp_pad: int | None = None):

@@ -132,10 +132,10 @@ class PiecewiseGraphs:
         if i == self.num_layers:
             self.hidden[:b].copy_(m.norm(hidden, residual)[0])
             return
-        q, k, v, residual = m.layers[i].before_attention((self.cos[:b], self.sin[:b]), hidden,
-                                                         residual)
-        for static, x in ((self.q, q), (self.k, k), (self.v, v), (self.residual, residual)):
-            static[:b].copy_(x)
+        _, _, v, residual = m.layers[i].before_attention(  # RoPE writes q, k in place
+            (self.cos[:b], self.sin[:b]), hidden, residual, out=(self.q[:b], self.k[:b]))
+        self.v[:b].copy_(v)
+        self.residual[:b].copy_(residual)
 
     @torch.no_grad()
     def capture(self, pool) -> int:
