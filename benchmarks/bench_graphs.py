@@ -38,7 +38,7 @@ def build(args, mode):
               max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.budget)
     pw = llm.engine.executor.driver.runner.piecewise
-    capture = getattr(pw, "capture_s", None)
+    capture = pw.capture_s if pw is not None and pw.use_graphs else None
     print(f"engine ({mode}) ready in {time.perf_counter() - start:.1f} s"
           + ("" if pw is None else f"; piecewise buckets {pw.buckets[0]}..{pw.buckets[-1]} "
              f"({len(pw.buckets)})") + ("" if capture is None else f", captured in {capture:.1f} s"),

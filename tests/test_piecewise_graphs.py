@@ -92,3 +92,23 @@ def test_piecewise_tp2_gives_the_tokens_of_one_rank(monkeypatch):
         for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
             assert a.keys() == b.keys()
             assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
+
+
+def test_layouts_without_piecewise_graphs_run_eagerly(monkeypatch):
+    from longserve.llm import build_engine_config
+    from longserve.worker.piecewise_graphs import piecewise_unsupported
+
+    def why(model="builtin:qwen3-tiny", **kw):
+        return piecewise_unsupported(build_engine_config(model, device="cpu", **kw))
+    assert why() is None and why(tensor_parallel_size=2, decode_context_parallel_size=2) is None
+    assert "expert" in why("builtin:qwen3-moe-tiny")
+    assert "sequence" in why(tensor_parallel_size=2, enable_sequence_parallel=True)
+    assert "PCP" in why(prefill_context_parallel_size=2)
+    monkeypatch.setenv("LONGSERVE_PIECEWISE", "eager")
+    llm = LLM("builtin:qwen3-moe-tiny", device="cpu")
+    try:
+        assert llm.engine.executor.driver.runner.piecewise is None
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()

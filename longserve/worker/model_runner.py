@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -356,12 +355,11 @@ class ModelRunner:
     def _capture_piecewise(self, pool) -> None:
         """Graphs of the layers' dense work for steps with prefill (worker/piecewise_graphs.py),
         after the decode graphs, in their memory pool (replays never overlap)."""
-        start = time.perf_counter()
         pw = self._build_piecewise(use_graphs=True)
         if pw is None:
             return
         n = pw.capture(pool)
-        self.piecewise, pw.capture_s = pw, time.perf_counter() - start
+        self.piecewise = pw
         logger.info("captured %d piecewise graphs (%d buckets up to %d tokens) in %.1f s", n,
                     len(pw.buckets), pw.buckets[-1], pw.capture_s)
 

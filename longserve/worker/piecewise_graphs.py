@@ -11,7 +11,8 @@ L + 1 segments (L layers), each captured once per bucket:
     segment L:  layer L-1 after attention, final norm
 
 Segments read and write static buffers ([largest bucket, ...], shared by every bucket and
-segment; each segment copies its results in):
+segment: RoPE writes q and k into them, v and the residual are copied in, attention writes
+attn_out; what a graph allocates lives in the memory pool and dies with its segment):
 
     input_ids, positions -> [segment 0] -> q, k, v, residual, cos, sin
     attention of layer i (eager) on rows [0, T) of q, k, v -> attn_out
@@ -29,6 +30,7 @@ sizes), sequence parallelism, PCP (token counts differ per rank; K/V gathered in
 from __future__ import annotations
 
 import bisect
+import time
 
 import torch
 
@@ -85,6 +87,7 @@ class PiecewiseGraphs:
         self.kv_targets = {a.kv_sharing_target for a in model.attention_layers()} - {None}
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one per segment
         self.num_steps = 0  # steps run piecewise
+        self.capture_s = 0.0  # seconds capture() took
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.buckets[-1]
@@ -141,6 +144,7 @@ class PiecewiseGraphs:
     def capture(self, pool) -> int:
         """Capture every segment at every bucket, largest first, into one memory pool;
         returns the number of graphs."""
+        start = time.perf_counter()
         for b in reversed(self.buckets):
             for i in range(self.num_layers + 1):  # warm up: Triton compiles, cuBLAS handles
                 self.segment(i, b)
@@ -152,4 +156,5 @@ class PiecewiseGraphs:
                     self.segment(i, b)
                 self.graphs[b].append(graph)
         torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start
         return len(self.buckets) * (self.num_layers + 1)
