@@ -3,7 +3,7 @@
 1. float32 on the GPU gives the CPU reference's greedy tokens on the built-in models.
 2. bfloat16 agrees with float32 on >= 99% of greedy tokens over 256-token generations
    (counted up to the first divergence per request, then the rest compared as well).
-3. CUDA-graph decode gives the tokens of eager decode.
+3. CUDA graphs (full graphs for decode, piecewise for steps with prefill) give the tokens of eager.
 """
 import argparse
 import json

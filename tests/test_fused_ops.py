@@ -45,6 +45,10 @@ def check_all(device: str) -> None:
         hw = (1 + 0.1 * torch.randn(64, generator=g)).to(device, dtype)
         normed = ops.rotary_torch(ops.rms_norm_torch(strided, hw, 1e-6), cos, sin)
         torch.testing.assert_close(ops.rotary(strided, cos, sin, hw, 1e-6), normed, atol=atol, rtol=tol)
+        static = torch.zeros(40, 3, 64, device=device, dtype=dtype)  # rows of a bigger buffer
+        got = ops.rotary(strided, cos, sin, hw, 1e-6, out=static[:37])
+        assert got.data_ptr() == static.data_ptr() and not static[37:].any()
+        assert torch.equal(static[:37], ops.rotary(strided, cos, sin, hw, 1e-6))
 
         gu = torch.randn(37, 2 * 80, generator=g).to(device, dtype)
         torch.testing.assert_close(ops.silu_and_mul(gu), ops.silu_and_mul_torch(gu),

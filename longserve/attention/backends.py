@@ -41,9 +41,9 @@ class Attention(nn.Module):
         self.kv_sharing_target = kv_sharing_target  # layer index whose KV this layer reads
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
 
-    def forward(self, q, k, v, meta: AttentionMetadata):
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
-        return meta.backend.forward(self, q, k, v, meta)
+    def forward(self, q, k, v, meta: AttentionMetadata, out=None):
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] (written into `out` when given)."""
+        return meta.backend.forward(self, q, k, v, meta, out)
 
 
 class TorchAttentionBackend:
@@ -57,7 +57,7 @@ class TorchAttentionBackend:
         return [MultipleOf(1)]
 
     # ---- the algorithm ------------------------------------------------------------------
-    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata):
+    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata, out=None):
         ps = meta.ps
         if meta.pcp_kv_index is not None:  # the step's K/V of every PCP rank, request order
             k = ps.pcp.all_gather(k, 0)[meta.pcp_kv_index]
@@ -67,7 +67,7 @@ class TorchAttentionBackend:
             meta.step_kv[layer.layer_idx] = (k, v)
         else:  # cross-layer KV sharing: the target's K/V, for the new tokens and the cache alike
             k, v = meta.step_kv[layer.kv_sharing_target]
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = self.sharded_paged_attention(layer, q[:nd], meta.decode, ps, False)[0]

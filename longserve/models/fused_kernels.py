@@ -79,9 +79,10 @@ def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, eps, stride_xt, stri
     tl.store(dst + HALF + i, (b * c + a * s).to(x1.dtype), mask=ok)
 
 
-def rotary_triton(x, cos, sin, norm_weight=None, eps=0.0):
+def rotary_triton(x, cos, sin, norm_weight=None, eps=0.0, out=None):
     T, H, D = x.shape
-    out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T:
         assert x.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
         w = norm_weight if norm_weight is not None else cos  # a dummy pointer without norm

@@ -41,15 +41,17 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """Neox-style rotary embedding. x [T, H, D] (last dim contiguous); cos / sin [T, D/2]
-    float32 -> rotated x; with norm_weight [D], each head is RMS-normalised first (Qwen3)."""
+    float32 -> rotated x (in `out` when given, a contiguous [T, H, D]); with norm_weight
+    [D], each head is RMS-normalised first (Qwen3)."""
     if not use_triton(x):
         if norm_weight is not None:
             x = rms_norm_torch(x, norm_weight, eps)
-        return rotary_torch(x, cos, sin)
+        return rotary_torch(x, cos, sin) if out is None else out.copy_(rotary_torch(x, cos, sin))
     from longserve.models.fused_kernels import rotary_triton
-    return rotary_triton(x, cos, sin, norm_weight, eps)
+    return rotary_triton(x, cos, sin, norm_weight, eps, out)
 
 
 def rotary_torch(x, cos, sin):

@@ -216,9 +216,12 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
-    def forward(self, cos_sin, q, k, q_norm=None, k_norm=None):
-        """q [T, Hq, D]; k [T, Hk, D]; q_norm / k_norm: per-head RMSNorms applied first."""
-        return (rotary(q, *cos_sin, *_norm_args(q_norm)), rotary(k, *cos_sin, *_norm_args(k_norm)))
+    def forward(self, cos_sin, q, k, q_norm=None, k_norm=None, out=None):
+        """q [T, Hq, D]; k [T, Hk, D]; q_norm / k_norm: per-head RMSNorms applied first;
+        out: (q_out, k_out) to write the results into."""
+        q_out, k_out = (None, None) if out is None else out
+        return (rotary(q, *cos_sin, *_norm_args(q_norm), out=q_out),
+                rotary(k, *cos_sin, *_norm_args(k_norm), out=k_out))
 
 
 def _norm_args(norm):

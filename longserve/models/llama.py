@@ -36,14 +36,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5,
                               kv_sharing_target=cfg.kv_sharing.get(layer_idx))
 
-    def forward(self, cos_sin, hidden, meta, reduce="all"):
+    def qkv(self, cos_sin, hidden, out=None):
+        """hidden [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D]: projected, RoPE applied
+        (q and k written into out = (q_out, k_out) when given)."""
         q, k, v = self.qkv_proj(hidden)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(cos_sin, q, k, self.q_norm, self.k_norm)  # Qwen3: q/k norm first
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(out.shape[0], -1), reduce)
+        q, k = self.rotary(cos_sin, q, k, self.q_norm, self.k_norm, out)  # Qwen3: q/k norm first
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -71,20 +72,40 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, cos_sin, hidden, residual, meta, sp: bool, dp_pad: int | None = None):
         """With sequence parallelism (`sp`), hidden and residual hold this TP rank's slice of
         the tokens between layers: gather before the column-parallel matmuls, reduce-scatter
-        after the row-parallel ones. dp_pad: tokens per DP rank in expert layers."""
-        hidden, residual = self.attention_block(cos_sin, hidden, residual, meta, sp)
-        return self.mlp(hidden, "scatter" if sp else "all", dp_pad), residual
+        after the row-parallel ones. dp_pad: tokens per DP rank in expert layers.
+
+        The layer is two pieces around its attention (the piecewise CUDA graphs of
+        worker/piecewise_graphs.py capture the pieces and run the attention between them)."""
+        q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp)
+        out = self.self_attn.attn(q, k, v, meta)
+        return self.after_attention(out, residual, sp, dp_pad)
 
     def attention_block(self, cos_sin, hidden, residual, meta, sp: bool):
         """Everything before the MLP: its input (gathered over TP with sp) and the residual."""
+        q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp)
+        return self.post_attention(self.self_attn.attn(q, k, v, meta), residual, sp)
+
+    def before_attention(self, cos_sin, hidden, residual, sp: bool = False, out=None):
+        """Input norm (+ residual add), QKV projection, q/k norm and RoPE -> q, k, v, residual
+        (out: buffers for q and k, see LlamaAttention.qkv)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        reduce = "scatter" if sp else "all"
         if sp:
             hidden = self.tp.all_gather(hidden, 0)
-        hidden = self.self_attn(cos_sin, hidden, meta, reduce)
+        q, k, v = self.self_attn.qkv(cos_sin, hidden, out)
+        return q, k, v, residual
+
+    def after_attention(self, attn_out, residual, sp: bool = False, dp_pad: int | None = None):
+        """attn_out [T, Hq, D] -> the layer's output and residual (o_proj, norm, MLP)."""
+        hidden, residual = self.post_attention(attn_out, residual, sp)
+        return self.mlp(hidden, "scatter" if sp else "all", dp_pad), residual
+
+    def post_attention(self, attn_out, residual, sp: bool):
+        """o_proj (all-reduce, or reduce-scatter with sp) and the post-attention norm."""
+        hidden = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1),
+                                       "scatter" if sp else "all")
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if sp:
             hidden = self.tp.all_gather(hidden, 0)

@@ -1,6 +1,7 @@
 """Runs the model for one rank: KV cache set-up, one step's forward, sampling, CUDA graphs."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -20,12 +21,18 @@ from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibili
 from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
                                             KVCacheGroupSpec)
+from longserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_unsupported
 from longserve.worker.sampler import Sampler, prompt_logprobs
 from longserve.worker.host_to_device import to_device
 from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,
                                     prepare_kernel_block_sizes)
+
+logger = logging.getLogger(__name__)
+# LONGSERVE_PIECEWISE: "off" runs steps with prefill eagerly even with CUDA graphs; "eager"
+# runs them through the piecewise runner with its graphs off (CPU tests of that path)
+PIECEWISE_MODE = "LONGSERVE_PIECEWISE"
 
 
 @dataclass
@@ -108,6 +115,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_cache_dict: dict[str, torch.Tensor] = {}
         self.graphs: dict[int, tuple] = {}
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill (capture_cudagraphs)
+        if os.environ.get(PIECEWISE_MODE) == "eager":
+            self.piecewise = self._build_piecewise(use_graphs=False)
         # expert layers shared by DP ranks (or split into micro-batches): every step's shape
         # is agreed on with the other DP ranks (worker/dp_step.py)
         self.coordinated = config.model.is_moe and (par.data_parallel_size > 1 or par.enable_dbo)
@@ -225,6 +235,8 @@ class ModelRunner:
         n = inp.num_local_tokens
         if inp.is_pure_decode and self.graphs and n <= max(self.graphs):
             return self.replay_graph(inp)
+        if not inp.is_pure_decode and self.piecewise is not None and self.piecewise.fits(n):
+            return self.piecewise.run(inp.input_ids, inp.positions, inp.meta)
         sp = is_residual_scattered_for_sp(self.config, n)
         return self.model(inp.input_ids, inp.positions, inp.meta, sp)
 
@@ -300,9 +312,10 @@ class ModelRunner:
             out[r.req_id], at = entries[at:at + n], at + n
         return out
 
-    # ---- CUDA graphs for decode -----------------------------------------------------------
+    # ---- CUDA graphs: full graphs for decode, piecewise for steps with prefill ---------------
     def capture_cudagraphs(self) -> None:
-        """Capture the model's decode forward at bucketed batch sizes (largest first, one pool)."""
+        """Capture the model's decode forward at bucketed batch sizes (largest first, one pool),
+        then the piecewise graphs."""
         if self.config.model.is_moe:
             return  # expert layers sort tokens by expert with data-dependent sizes: eager
         max_bs = self.config.scheduler.max_num_seqs
@@ -329,6 +342,26 @@ class ModelRunner:
                 hidden = self.model(*args)
             self.graphs[bs] = (graph, hidden, meta)
         torch.cuda.synchronize(dev)
+        if os.environ.get(PIECEWISE_MODE, "graphs") == "graphs":
+            self._capture_piecewise(pool)
+
+    def _build_piecewise(self, use_graphs: bool) -> PiecewiseGraphs | None:
+        reason = piecewise_unsupported(self.config)
+        if reason is not None:
+            logger.info("steps with prefill run eagerly: %s", reason)
+            return None
+        return PiecewiseGraphs(self.model, self.max_num_tokens, self.device, use_graphs)
+
+    def _capture_piecewise(self, pool) -> None:
+        """Graphs of the layers' dense work for steps with prefill (worker/piecewise_graphs.py),
+        after the decode graphs, in their memory pool (replays never overlap)."""
+        pw = self._build_piecewise(use_graphs=True)
+        if pw is None:
+            return
+        n = pw.capture(pool)
+        self.piecewise = pw
+        logger.info("captured %d piecewise graphs (%d buckets up to %d tokens) in %.1f s", n,
+                    len(pw.buckets), pw.buckets[-1], pw.capture_s)
 
     def _static_decode_meta(self, bs: int) -> AttentionMetadata:
         s = self.static

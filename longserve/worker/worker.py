@@ -19,6 +19,7 @@ from longserve.distributed.parallel_state import build_parallel_state
 from longserve.step_plan import DPStepPlan, SchedulerOutput
 from longserve.worker.dp_step import execute_dp_step
 from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from longserve.worker.piecewise_graphs import piecewise_pool_bytes
 from longserve.worker.utils import MemorySnapshot, request_memory
 
 SHUTDOWN = "shutdown"
@@ -110,7 +111,8 @@ class Worker:
         budget = request_memory(self.init_snapshot, self.config.cache)
         activation_peak = self.runner.profile_peak_memory()
         used_now = MemorySnapshot.measure(self.device).used  # weights, context, other processes
-        graphs_reserve = 0 if self.config.enforce_eager else 512 << 20
+        graphs_reserve = 0 if self.config.enforce_eager else (512 << 20) + piecewise_pool_bytes(
+            self.config, activation_peak)
         free_for_kv = budget - used_now - activation_peak - graphs_reserve
         return max(free_for_kv // self.runner.kv_bytes_per_block(), 0)
 

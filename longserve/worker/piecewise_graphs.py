@@ -1,0 +1,160 @@
+"""Piecewise CUDA graphs for steps with prefill: each layer's dense work replayed as graphs,
+its attention run eagerly between them.
+
+A step with prefill has T tokens from any mix of requests. Its attention depends on the
+requests' lengths (host metadata, kernels per request), but everything else in a layer is
+row-wise: only the row count changes. So T is padded to a bucket and the forward runs as
+L + 1 segments (L layers), each captured once per bucket:
+
+    segment 0:  embedding, cos/sin of the positions, layer 0 before attention
+    segment i:  layer i-1 after attention, layer i before attention       (0 < i < L)
+    segment L:  layer L-1 after attention, final norm
+
+Segments read and write static buffers ([largest bucket, ...], shared by every bucket and
+segment: RoPE writes q and k into them, v and the residual are copied in, attention writes
+attn_out; what a graph allocates lives in the memory pool and dies with its segment):
+
+    input_ids, positions -> [segment 0] -> q, k, v, residual, cos, sin
+    attention of layer i (eager) on rows [0, T) of q, k, v -> attn_out
+    attn_out, residual, cos, sin -> [segment i+1] -> q, k, v, residual ... -> hidden
+
+Padding rows [T, bucket) never reach attention (they store no K/V and read nothing); they
+hold earlier steps' token ids, positions and attention outputs (zeros at first): finite
+values, and dense ops never mix rows, so they cannot leak into the real rows.
+
+With `use_graphs=False` (CPU, tests) the same segments run in the same order on the same
+buffers, called instead of replayed. With TP the all-reduces of o_proj and down_proj are
+captured (NCCL). Not covered (those steps run eagerly): expert layers (data-dependent
+sizes), sequence parallelism, PCP (token counts differ per rank; K/V gathered in attention).
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+
+MAX_GRAPH_TOKENS = 8192  # past this a step's dense work dwarfs its launch overhead: eager
+BUCKET_STEP = 256  # buckets past 128 tokens: pads by < 256 rows, < 3% of the work at 8192
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Padded token counts that get graphs: 16, 32, 64, 128, then every multiple of
+    BUCKET_STEP, up to the step budget (capped at MAX_GRAPH_TOKENS), which is the largest."""
+    top = min(max_tokens, MAX_GRAPH_TOKENS)
+    small = {b for b in (16, 32, 64, 128) if b < top}
+    return sorted(small | set(range(BUCKET_STEP, top, BUCKET_STEP)) | {top})
+
+
+def piecewise_unsupported(config) -> str | None:
+    """Why steps with prefill run eagerly under this EngineConfig; None: piecewise graphs."""
+    par = config.parallel
+    if config.model.is_moe:
+        return "expert layers have data-dependent sizes"
+    if par.enable_sequence_parallel:
+        return "sequence parallelism is not captured piecewise"
+    if par.prefill_context_parallel_size > 1:
+        return "PCP token counts differ per rank"
+    return None
+
+
+def piecewise_pool_bytes(config, activation_peak: int) -> int:
+    """Device memory to keep for the piecewise graphs (static buffers and their memory pool):
+    at most the activations of an eager step of the largest bucket, estimated from the
+    profiled peak of a full-budget step (activations grow linearly with the tokens)."""
+    if piecewise_unsupported(config) is not None:
+        return 0
+    budget = config.scheduler.max_num_batched_tokens
+    return activation_peak * min(budget, MAX_GRAPH_TOKENS) // budget
+
+
+class PiecewiseGraphs:
+    def __init__(self, model, max_tokens: int, device, use_graphs: bool):
+        self.model, self.use_graphs = model, use_graphs
+        self.buckets = token_buckets(max_tokens)
+        self.num_layers = len(model.layers)
+        attn = model.layers[0].self_attn
+        d, dtype = attn.head_dim, model.embed_tokens.weight.dtype
+
+        def buf(*shape, dt=dtype):  # [largest bucket, *shape]
+            return torch.zeros(self.buckets[-1], *shape, dtype=dt, device=device)
+        self.input_ids, self.positions = buf(dt=torch.int64), buf(dt=torch.int64)
+        self.cos, self.sin = buf(d // 2, dt=torch.float32), buf(d // 2, dt=torch.float32)
+        self.q, self.attn_out = buf(attn.num_heads, d), buf(attn.num_heads, d)
+        self.k, self.v = buf(attn.num_kv_heads, d), buf(attn.num_kv_heads, d)
+        self.residual, self.hidden = buf(model.cfg.hidden_size), buf(model.cfg.hidden_size)
+        # layers whose K/V a later layer reads (meta.step_kv): keep them past the next segment
+        self.kv_targets = {a.kv_sharing_target for a in model.attention_layers()} - {None}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one per segment
+        self.num_steps = 0  # steps run piecewise
+        self.capture_s = 0.0  # seconds capture() took
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.buckets[-1]
+
+    def bucket(self, num_tokens: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
+
+    @torch.no_grad()
+    def run(self, input_ids, positions, meta) -> torch.Tensor:
+        """The model's forward over the step's T tokens -> final hidden states [T, hidden]
+        (a view of a static buffer: valid until the next run)."""
+        t = input_ids.shape[0]
+        b = self.bucket(t)
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        for i in range(self.num_layers + 1):
+            if self.use_graphs:
+                self.graphs[b][i].replay()
+            else:
+                self.segment(i, b)
+            if i < self.num_layers:
+                self.attention(i, t, meta)
+        self.num_steps += 1
+        return self.hidden[:t]
+
+    def attention(self, i: int, t: int, meta) -> None:
+        """Layer i's attention over the real rows [0, t): stores their K/V, fills attn_out."""
+        attn = self.model.layers[i].self_attn.attn
+        q, k, v = self.q[:t], self.k[:t], self.v[:t]
+        if i in self.kv_targets:  # the buffers are overwritten by the next segment
+            k, v = k.clone(), v.clone()
+        attn(q, k, v, meta, out=self.attn_out[:t])
+
+    def segment(self, i: int, b: int) -> None:
+        """Segment i over the first b rows of the static buffers (what a graph captures)."""
+        m = self.model
+        if i == 0:
+            hidden, residual = m.embed_tokens(self.input_ids[:b]), None
+            cos, sin = m.layers[0].self_attn.rotary.cos_sin(self.positions[:b])
+            self.cos[:b].copy_(cos)
+            self.sin[:b].copy_(sin)
+        else:
+            hidden, residual = m.layers[i - 1].after_attention(self.attn_out[:b],
+                                                               self.residual[:b])
+        if i == self.num_layers:
+            self.hidden[:b].copy_(m.norm(hidden, residual)[0])
+            return
+        _, _, v, residual = m.layers[i].before_attention(  # RoPE writes q, k in place
+            (self.cos[:b], self.sin[:b]), hidden, residual, out=(self.q[:b], self.k[:b]))
+        self.v[:b].copy_(v)
+        self.residual[:b].copy_(residual)
+
+    @torch.no_grad()
+    def capture(self, pool) -> int:
+        """Capture every segment at every bucket, largest first, into one memory pool;
+        returns the number of graphs."""
+        start = time.perf_counter()
+        for b in reversed(self.buckets):
+            for i in range(self.num_layers + 1):  # warm up: Triton compiles, cuBLAS handles
+                self.segment(i, b)
+            torch.cuda.synchronize()
+            self.graphs[b] = []
+            for i in range(self.num_layers + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.segment(i, b)
+                self.graphs[b].append(graph)
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start
+        return len(self.buckets) * (self.num_layers + 1)
