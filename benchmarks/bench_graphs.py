@@ -19,10 +19,21 @@ import time
 import numpy as np
 import torch
 
-from bench_async import profile_window, spy_steps
-from bench_offline import print_step_breakdown, random_prompts
+from bench_async import profile_window, prompts, spy_steps
 from longserve import LLM, SamplingParams
 from longserve.worker import piecewise_graphs
+
+
+def random_prompts(llm, n, length, seed):
+    return prompts(n, length, llm.config.model.vocab_size, seed)
+
+
+def print_step_breakdown(log, total):
+    """log: bench_async.spy_steps entries [decode rows, prefill tokens, seconds of step()]."""
+    mixed, dec = [x for x in log if x[1] > 0], [x for x in log if x[1] == 0]
+    print(f"  steps {len(log)}: {len(mixed)} with prefill ({sum(x[2] for x in mixed):.2f} s), "
+          f"{len(dec)} decode-only ({sum(x[2] for x in dec):.2f} s, median "
+          f"{1e3 * np.median([x[2] for x in dec] or [0]):.2f} ms); total {total:.2f} s", flush=True)
 
 
 def sync(device):
