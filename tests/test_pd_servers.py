@@ -1,7 +1,9 @@
-"""Prefill/decode disaggregation as a user runs it: a `longserve serve` kv_producer (pcp=2), a
-`longserve serve` kv_consumer (tp=2) and `longserve proxy` in front, three real processes on
-loopback. Completions through the proxy (plain and streamed) give one instance's greedy tokens;
-a client that leaves mid-stream loses nothing; both pools are whole afterwards; no process is left."""
+"""Prefill/decode disaggregation as a user runs it: a `longserve serve` kv_producer, a
+`longserve serve` kv_consumer and `longserve proxy` in front, three real processes on
+loopback, for each heterogeneous layout pair (pcp2 -> tp2, tp1 -> tp2 x dcp2, tp2 -> tp1, block
+size 8 in HND -> 16). Completions through the proxy (plain and streamed) give one instance's
+greedy tokens; a client that leaves mid-stream loses nothing; both pools are whole afterwards;
+no process is left."""
 import json
 import os
 import re
@@ -30,8 +32,8 @@ def start(tmp_path, name, args):
     return proc, f"http://127.0.0.1:{port}"
 
 
-def serve_args(role, layout):
-    kvt = {"kv_role": role, "kv_lease_s": 20, "kv_transfer_timeout_s": 10}
+def serve_args(role, layout, **extra_kvt):
+    kvt = {"kv_role": role, "kv_lease_s": 20, "kv_transfer_timeout_s": 10, **extra_kvt}
     return ["serve", MODEL, *layout, "--device", "cpu", "--max-model-len", "256",
             "--uvicorn-log-level", "warning", "--kv-transfer-config", json.dumps(kvt)]
 
@@ -82,29 +84,54 @@ def session_alive(sid: int) -> bool:
     return False
 
 
+def one_instance(n=N):
+    with LLM(MODEL, device="cpu", max_model_len=256) as one:
+        return one.generate([{"prompt_token_ids": PROMPT}],
+                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+
+
+def start_pd(tmp_path, procs, producer, consumer, producer_kvt=None):
+    """Producer, consumer and proxy as real processes; the proxy's URL and both servers'."""
+    procs["producer"], p_url = start(tmp_path, "producer",
+                                     serve_args("kv_producer", producer, **(producer_kvt or {})))
+    procs["consumer"], d_url = start(tmp_path, "consumer", serve_args("kv_consumer", consumer))
+    wait_healthy(procs, p_url, tmp_path)
+    wait_healthy(procs, d_url, tmp_path)
+    procs["proxy"], url = start(tmp_path, "proxy", ["proxy", "--prefill", p_url, "--decode", d_url])
+    wait_healthy(procs, url, tmp_path, 60)
+    return url, p_url, d_url
+
+
+def wait_pools_whole(p_url, d_url, within_s=30):
+    deadline = time.monotonic() + within_s  # well inside the lease (20 s) + slack
+    while (usage := (kv_usage(p_url), kv_usage(d_url))) != (0.0, 0.0):
+        assert time.monotonic() < deadline, f"KV pools not whole (producer, consumer): {usage}"
+        time.sleep(0.5)
+
+
+def stop_all(procs):
+    for proc in procs.values():
+        stop(proc)
+    assert not any(session_alive(proc.pid) for proc in procs.values())
+
+
+BODY = dict(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, ignore_eos=True,
+            return_token_ids=True)
+
+
 @pytest.mark.timeout(180)
 def test_pcp2_producer_tp2_consumer_behind_proxy_match_one_instance(tmp_path):
-    with LLM(MODEL, device="cpu", max_model_len=256) as one:
-        want = one.generate([{"prompt_token_ids": PROMPT}],
-                            SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].token_ids
+    want = one_instance()
     procs = {}
     try:
-        procs["producer"], p_url = start(tmp_path, "producer", serve_args("kv_producer", ["-pcp", "2"]))
-        procs["consumer"], d_url = start(tmp_path, "consumer", serve_args("kv_consumer", ["-tp", "2"]))
-        wait_healthy(procs, p_url, tmp_path)
-        wait_healthy(procs, d_url, tmp_path)
-        procs["proxy"], url = start(tmp_path, "proxy", ["proxy", "--prefill", p_url, "--decode", d_url])
-        wait_healthy(procs, url, tmp_path, 60)
-
-        body = dict(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, ignore_eos=True,
-                    return_token_ids=True)
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        url, p_url, d_url = start_pd(tmp_path, procs, ["-pcp", "2"], ["-tp", "2"])
+        r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want
 
         got = []
-        with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), timeout=60) as resp:
+        with httpx.stream("POST", f"{url}/v1/completions", json=dict(BODY, stream=True), timeout=60) as resp:
             assert resp.status_code == 200
             lines = [line for line in resp.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
@@ -114,13 +141,27 @@ def test_pcp2_producer_tp2_consumer_behind_proxy_match_one_instance(tmp_path):
 
         # a client that leaves mid-stream: the decode instance aborts, the producer's blocks come back
         with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                          json=dict(body, max_tokens=200, stream=True)) as resp:
+                          json=dict(BODY, max_tokens=200, stream=True)) as resp:
             next(line for line in resp.iter_lines() if line)
-        deadline = time.monotonic() + 30  # well inside the lease (20 s) + slack
-        while (usage := (kv_usage(p_url), kv_usage(d_url))) != (0.0, 0.0):
-            assert time.monotonic() < deadline, f"KV pools not whole (producer, consumer): {usage}"
-            time.sleep(0.5)
+        wait_pools_whole(p_url, d_url)
     finally:
-        for proc in procs.values():
-            stop(proc)
-    assert not any(session_alive(proc.pid) for proc in procs.values())
+        stop_all(procs)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("producer, consumer, producer_kvt", [
+    ([], ["-tp", "2", "-dcp", "2"], None),
+    (["-tp", "2"], [], None),
+    (["--block-size", "8"], ["--block-size", "16"], {"kv_buffer_layout": "HND"}),
+], ids=["tp1->tp2xdcp2", "tp2->tp1", "bs8 HND->bs16"])
+def test_other_layouts_behind_proxy_match_one_instance(tmp_path, producer, consumer, producer_kvt):
+    want = one_instance()
+    procs = {}
+    try:
+        url, p_url, d_url = start_pd(tmp_path, procs, producer, consumer, producer_kvt)
+        r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+        wait_pools_whole(p_url, d_url)
+    finally:
+        stop_all(procs)
