@@ -95,8 +95,6 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                         dbo_prefill_token_threshold: int = 512, kv_offload_gb: float = 0.0,
                         kv_transfer_config: dict | KVTransferConfig | None = None,
                         async_scheduling: bool | None = None) -> EngineConfig:
-    """async_scheduling: plan step N+1 while the device runs step N (None: wherever the
-    layout supports it)."""
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a folder path or 'builtin:<name>', got {type(model).__name__}")
     model = os.fspath(model)
@@ -133,8 +131,6 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
                             max_model_len, enable_chunked_prefill,
                             resolve_async_scheduling(async_scheduling, parallel, kv_transfer))
-    if not enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
-        raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
     if kv_transfer.kv_offload_bytes and not enable_prefix_caching:
         raise ValueError("kv_offload_gb needs prefix caching (drop --no-enable-prefix-caching)")
     if (kv_transfer.kv_offload_bytes or kv_transfer.kv_role) and data_parallel_size > 1:
