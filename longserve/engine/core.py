@@ -159,9 +159,24 @@ class EngineCore:
         return (sum(m.num_cached_tokens_queried for m in managers),
                 sum(m.num_cached_tokens_hit for m in managers))
 
-    def make_request(self, prompt, params: SamplingParams) -> Request:
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.encode(prompt, add_special_tokens)
+
+    def encode_chat(self, messages: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict:
+        return self.engine.encode_chat(messages, chat_template, add_generation_prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.decode(token_ids)
+
+    def make_request(self, prompt, params: SamplingParams,
+                     data_parallel_rank: int | None = None) -> Request:
         """Validate at the door: raises ValueError / TypeError naming the bad field."""
-        return self.engine.make_request(prompt, params)
+        return self.engine.make_request(prompt, params, data_parallel_rank)
 
     def add_request(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         stream = RequestStream(request.request_id, loop)

@@ -39,12 +39,12 @@ class OpenAIServingChat:
             with open(chat_template) as f:
                 chat_template = f.read()
         self.template = chat_template or None  # None: the tokenizer's
-        self.names = TokenNames(core.engine.tokenizer)
+        self.names = TokenNames(core.tokenizer)
 
     def render(self, req: ChatCompletionRequest) -> dict:
         """The prompt as the engine takes it (token ids: the template already holds BOS)."""
         try:
-            return self.core.engine.encode_chat(message_dicts(req), self.template, req.add_generation_prompt)
+            return self.core.encode_chat(message_dicts(req), self.template, req.add_generation_prompt)
         except OpenAIError:
             raise
         except Exception as e:  # no template, or the template refused the messages

@@ -32,7 +32,7 @@ class OpenAIServingCompletion:
     def __init__(self, core: EngineCore, served_names: list[str]):
         self.core = core
         self.served_names = served_names
-        self.names = TokenNames(core.engine.tokenizer)
+        self.names = TokenNames(core.tokenizer)
 
     async def create_completion(self, req: CompletionRequest):
         check_model(req.model, self.served_names)
@@ -60,7 +60,7 @@ class OpenAIServingCompletion:
 
     def _echo(self, request) -> str:
         return request.prompt if request.prompt is not None else \
-            self.core.engine.decode(request.prompt_token_ids)
+            self.core.decode(request.prompt_token_ids)
 
     def _choice(self, index: int, out: StreamOutput, prefix: str, text_offset: int, name,
                 with_ids: bool) -> CompletionChoice:
