@@ -178,6 +178,16 @@ class EngineCore:
         """Validate at the door: raises ValueError / TypeError naming the bad field."""
         return self.engine.make_request(prompt, params, data_parallel_rank)
 
+    def make_requests(self, prompt, params: SamplingParams,
+                      data_parallel_rank: int | None = None) -> list[Request]:
+        """One request per choice (SamplingParams.n, when it exists): validated at the door."""
+        n = getattr(params, "n", 1)
+        if n == 1:
+            return [self.make_request(prompt, params, data_parallel_rank)]
+        return [self.make_request(prompt, replace(params, n=1, seed=None if params.seed is None
+                                                  else params.seed + i), data_parallel_rank)
+                for i in range(n)]
+
     def add_request(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         stream = RequestStream(request.request_id, loop)
         with self._lock:
