@@ -219,11 +219,22 @@ class ParallelConfig:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32  # decode-only steps
     dbo_prefill_token_threshold: int = 512  # steps with a prefill
+    # data parallelism runs one engine-core process per DP rank (engine/core_proc.py)
+    data_parallel_rank: int = 0  # the core's own rank (each core's copy of the config)
+    data_parallel_size_local: int | None = None  # cores on this host (None: all)
+    data_parallel_start_rank: int = 0  # the first DP rank on this host (a headless host)
+    data_parallel_address: str = "127.0.0.1"  # the front end's host; cores connect to it
+    data_parallel_rpc_port: int = 0  # its handshake port and the next two (0: free ports)
 
     @property
     def world_size(self) -> int:
         return (self.data_parallel_size * self.prefill_context_parallel_size
                 * self.tensor_parallel_size)
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one model replica (one DP rank): what one engine core drives."""
+        return self.prefill_context_parallel_size * self.tensor_parallel_size
 
     @property
     def cp_world_size(self) -> int:
@@ -322,3 +333,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch", "triton"
     load_format: str = "auto"  # "auto": safetensors from the folder; "dummy": seeded random
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    @property
+    def dp_lockstep(self) -> bool:
+        """Expert layers span the DP ranks: the cores step together (waves, dummy steps)."""
+        return self.model.is_moe and self.parallel.data_parallel_size > 1

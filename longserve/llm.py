@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import queue
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -39,9 +41,10 @@ def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig,
         raise ValueError(f"cp_kv_cache_interleave_size={p.cp_kv_cache_interleave_size} must divide "
                          f"block_size={cache.block_size}")
     validate_moe_parallel(p, model)
-    if device == "cuda" and p.world_size > torch.cuda.device_count() and not _under_torchrun():
+    local = p.data_parallel_size if p.data_parallel_size_local is None else p.data_parallel_size_local
+    if device == "cuda" and local * p.replica_size > torch.cuda.device_count() and not _under_torchrun():
         raise ValueError(f"the parallel layout (data_parallel_size x prefill_context_parallel_size x "
-                         f"tensor_parallel_size) needs {p.world_size} GPUs; "
+                         f"tensor_parallel_size) needs {local * p.replica_size} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
 
 
@@ -94,7 +97,11 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                         enable_dbo: bool = False, dbo_decode_token_threshold: int = 32,
                         dbo_prefill_token_threshold: int = 512, kv_offload_gb: float = 0.0,
                         kv_transfer_config: dict | KVTransferConfig | None = None,
-                        async_scheduling: bool | None = None) -> EngineConfig:
+                        async_scheduling: bool | None = None,
+                        data_parallel_size_local: int | None = None,
+                        data_parallel_start_rank: int = 0,
+                        data_parallel_address: str = "127.0.0.1",
+                        data_parallel_rpc_port: int = 0) -> EngineConfig:
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a folder path or 'builtin:<name>', got {type(model).__name__}")
     model = os.fspath(model)
@@ -125,8 +132,11 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                               decode_context_parallel_size, data_parallel_size,
                               cp_kv_cache_interleave_size, enable_sequence_parallel,
                               distributed_timeout_s, enable_expert_parallel, enable_dbo,
-                              dbo_decode_token_threshold, dbo_prefill_token_threshold)
+                              dbo_decode_token_threshold, dbo_prefill_token_threshold, 0,
+                              data_parallel_size_local, data_parallel_start_rank,
+                              data_parallel_address, data_parallel_rpc_port)
     validate_parallel(parallel, model_cfg, cache, device)
+    validate_dp_hosts(parallel)
     kv_transfer = build_kv_transfer_config(kv_transfer_config, kv_offload_gb)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
                             max_model_len, enable_chunked_prefill,
@@ -139,12 +149,32 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                         enforce_eager, seed, attention_backend, load_format, kv_transfer)
 
 
+def validate_dp_hosts(p: ParallelConfig) -> None:
+    """Data parallelism over several hosts: this host's cores, and where the front end is."""
+    local = p.data_parallel_size if p.data_parallel_size_local is None else p.data_parallel_size_local
+    if isinstance(local, bool) or not isinstance(local, int) or not 0 <= local <= p.data_parallel_size:
+        raise ValueError(f"data_parallel_size_local must be an integer in [0, data_parallel_size="
+                         f"{p.data_parallel_size}], got {local!r}")
+    start = p.data_parallel_start_rank
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= p.data_parallel_size - local:
+        raise ValueError(f"data_parallel_start_rank must be an integer in [0, "
+                         f"{p.data_parallel_size - local}], got {start!r}")
+    port = p.data_parallel_rpc_port
+    if isinstance(port, bool) or not isinstance(port, int) or not (port == 0 or 0 < port < 65534):
+        raise ValueError(f"data_parallel_rpc_port must be 0 (free ports) or in [1, 65533], got {port!r}")
+    if local < p.data_parallel_size and not port:
+        raise ValueError("cores on other hosts (data_parallel_size_local < data_parallel_size) "
+                         "need a fixed data_parallel_rpc_port to connect to")
+    if p.data_parallel_size > 1 and _under_torchrun():
+        raise ValueError("data_parallel_size > 1 runs one engine core per DP rank; across hosts "
+                         "use --data-parallel-address / --data-parallel-rpc-port (and --headless on "
+                         "the other hosts) instead of torchrun")
+
+
 def resolve_async_scheduling(requested, parallel: ParallelConfig, kv: KVTransferConfig) -> bool:
-    """On by default; off (and refused when asked for) where a step's results must be read
-    before the next plan: data parallel steps (one gather of every DP rank's tokens) and KV
-    transfer / offload (loads and saves are tied to the step that reports them)."""
-    why = ("data_parallel_size > 1" if parallel.data_parallel_size > 1 else
-           "KV transfer or kv_offload_gb" if kv.kv_role or kv.kv_offload_bytes else None)
+    """On by default; off (and refused when asked for) with KV transfer / offload (loads and
+    saves are tied to the step that reports them)."""
+    why = "KV transfer or kv_offload_gb" if kv.kv_role or kv.kv_offload_bytes else None
     if requested is None:
         return why is None
     if not isinstance(requested, bool):
@@ -221,6 +251,27 @@ def check_engine_args(**args) -> None:
             raise ValueError(f"{name} must be True or False, got {args[name]!r}")
 
 
+def _next_output(done: queue.SimpleQueue) -> RequestOutput:
+    """The next finished request (a bounded wait, so Ctrl-C gets through at once)."""
+    while True:
+        try:
+            item = done.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if isinstance(item, BaseException):  # its engine core died
+            raise item
+        return item
+
+
+def merge_choices(outs: list[RequestOutput]) -> RequestOutput:
+    """The n choices of one prompt (requests "0_<id>", "1_<id>", ...) as one RequestOutput."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    choices = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    return replace(first, outputs=choices, error=next((o.error for o in outs if o.error), None))
+
+
 class LLM:
     """Offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
@@ -241,21 +292,26 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        requests = [self.engine.make_request(p, sp, data_parallel_rank)
-                    for p, sp in zip(prompts, params)]
-        for req in requests:  # all validated before any is queued
-            self.engine.add_request(req)
+        groups = [self.engine.make_requests(p, sp, data_parallel_rank)  # one per choice
+                  for p, sp in zip(prompts, params)]
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        outputs: dict[str, RequestOutput] = {}
+        requests = [r for group in groups for r in group]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2)
         try:
-            while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
+            for req in requests:  # all validated before any is queued
+                self.engine.add_request(req, sink=done)
+            while len(outputs) < len(requests):
+                out = _next_output(done)
+                outputs[out.request_id] = out
+                bar.update(1)
         except BaseException:
             for req in requests:  # leave nothing behind for the next call
-                self.engine.abort_request(req.request_id)
+                self.engine.abort(req.request_id)
             raise
         finally:
             bar.close()
-        return [self.engine.to_output(r) for r in requests]
+        return [merge_choices([outputs[r.request_id] for r in group]) for group in groups]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,

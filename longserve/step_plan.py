@@ -49,24 +49,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
-
-
-@dataclass
-class DPStepPlan:
-    """One step of every data-parallel rank: plans[d] is DP rank d's plan. `lockstep`: the
-    model has expert layers, so every DP rank runs a forward (a dummy one when its plan has
-    no requests) whenever any rank has requests."""
-    plans: list[SchedulerOutput]
-    lockstep: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.plans)
-
-    @property
-    def is_empty(self) -> bool:
-        return all(p.is_empty for p in self.plans)
-
-    @property
-    def finished_req_ids(self) -> list[str]:
-        return [r for p in self.plans for r in p.finished_req_ids]

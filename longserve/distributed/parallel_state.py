@@ -74,8 +74,6 @@ def group_ranks(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
     for p in range(pcp):
         for t in range(tp):
             groups["dp"].append([rank(d, p, t) for d in range(dp)])
-    if dp > 1:  # the driver's step plans for every DP rank travel over all ranks
-        groups["world"] = [list(range(dp * pcp * tp))]
     return groups
 
 
@@ -176,12 +174,7 @@ class ParallelState:
     dcp: GroupCoordinator
     cp: GroupCoordinator
     dp: GroupCoordinator
-    model: GroupCoordinator  # every rank of one DP replica; its first rank drives it
-    world: GroupCoordinator | None = None  # every rank (the model group when dp == 1)
-
-    def __post_init__(self):
-        if self.world is None:
-            self.world = self.model
+    model: GroupCoordinator  # every rank of one DP replica; its first rank (the engine core) drives it
 
 
 def single_rank_state() -> ParallelState:
@@ -204,12 +197,11 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
         return single_rank_state()
     mine, timeout = {}, datetime.timedelta(seconds=cfg.distributed_timeout_s)
     groups = group_ranks(cfg)
-    plans = "world" if "world" in groups else "model"  # the group the step plans travel on
     for kind, lists in groups.items():
         for ranks in lists:
             device_group = dist.new_group(ranks, timeout=timeout)
             cpu_group = dist.new_group(ranks, backend="gloo",
-                                       timeout=IDLE_TIMEOUT if kind == plans else timeout)
+                                       timeout=IDLE_TIMEOUT if kind == "model" else timeout)
             if rank in ranks:
                 mine[kind] = GroupCoordinator(ranks, rank, device_group, cpu_group)
     return ParallelState(layout, **mine)

@@ -1,355 +1,182 @@
-"""The engine core: the step loop on a thread of its own, taking requests at any time.
+"""EngineCore: the step loop's state inside the engine-core process (one per DP rank).
 
-Any thread (an HTTP server's event loop, a script) validates a request at the door
-(`make_request`, which raises ValueError/TypeError naming the field), hands it over with
-`add_request` and reads its `RequestStream`: deltas of token ids, detokenized text that
-never splits a character, logprobs, and at the end the finish reason. `abort` drops a
-request wherever it is and returns its KV blocks. The loop thread alone touches the
-scheduler: commands reach it through a queue. An exception inside a step is fatal: every
-request in flight gets `EngineDeadError` and no new one is taken. The core knows nothing
-of HTTP; it counts what it serves in `stats` for whoever exports metrics.
+It owns the scheduler, the KV cache manager and the executor (the model's ranks). Requests
+arrive validated and tokenized (the front end is the door); `step()` plans a step, launches
+it and applies the previous one (asynchronous scheduling), and returns what each request
+gained as `EngineCoreOutput`s. Text, stop strings and streams are the front end's business:
+it aborts a request whose stop string appeared. Nothing here knows of sockets or HTTP
+(core_proc.py moves these objects between processes).
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-import queue
-import threading
 import time
-from collections import defaultdict
-from dataclasses import dataclass, replace
 
-from longserve.engine.detokenizer import IncrementalDetokenizer
-from longserve.engine.llm_engine import LLMEngine
+from longserve.config import EngineConfig
+from longserve.engine.executor import Executor
+from longserve.engine.kv_cache_manager import KVCacheManager
+from longserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from longserve.engine.request import Request
-from longserve.engine.stats import EngineStats
-from longserve.sampling_params import SamplingParams
-
-logger = logging.getLogger("longserve.engine")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine failed (or is shutting down): the request cannot be served."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are waiting; try again later."""
-
-
-@dataclass
-class StreamOutput:
-    """What one request produced since its previous output (a delta)."""
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None
-    num_prompt_tokens: int
-    num_output_tokens: int  # in total so far
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    kv_transfer_params: dict | None = None  # at the end, for a disaggregated decode instance
-    error: str | None = None  # at the end: why the request failed alone (finish_reason "error")
-
-    def merged(self, later: "StreamOutput") -> "StreamOutput":
-        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        return replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
-                       logprobs=logprobs)
-
-
-class RequestStream:
-    """One request's outputs, read by a thread (`for out in stream`) or a loop (`async for`).
-
-    Deltas that queued up while the reader was busy come merged into one."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
-        self.request_id = request_id
-        self.loop = loop
-        self.queue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
-
-    def _drain(self, first) -> list:
-        items = [first]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        return items
-
-    @staticmethod
-    def _combine(items: list):
-        """(one merged StreamOutput or None, an error or None)."""
-        outs = [i for i in items if isinstance(i, StreamOutput)]
-        errors = [i for i in items if isinstance(i, BaseException)]
-        merged = None
-        for out in outs:
-            merged = out if merged is None else merged.merged(out)
-        return merged, (errors[0] if errors else None)
-
-    def __iter__(self):
-        while True:
-            out, error = self._combine(self._drain(self.queue.get()))
-            if out is not None:
-                yield out
-                if out.finished:
-                    return
-            if error is not None:
-                raise error
-
-    async def __aiter__(self):
-        while True:
-            out, error = self._combine(self._drain(await self.queue.get()))
-            if out is not None:
-                yield out
-                if out.finished:
-                    return
-            if error is not None:
-                raise error
-
-
-@dataclass
-class _Tracked:
-    """The core's view of a request it streams."""
-    request: Request
-    stream: RequestStream
-    holdback: int  # chars kept back while a stop string could still begin in them
-    num_sent: int = 0  # output tokens already streamed
-    text_sent: int = 0  # characters already streamed
-    last_time: float | None = None
+from longserve.engine.scheduler import Scheduler
+from longserve.kv_transfer.base import build_scheduler_connector
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
-        self.engine = engine
-        self.max_waiting = max_waiting
-        self.stats = EngineStats()
-        self.error: str | None = None  # set by a fatal engine error
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # loop thread only
-        self._lock = threading.Lock()  # guards _closed and _num_live
-        self._closed = False
-        self._num_live = 0
-        self._thread = threading.Thread(target=self._run, name="longserve-engine-core", daemon=True)
-        self._thread.start()
+    def __init__(self, config: EngineConfig, engine_index: int = 0, dist_init: str | None = None):
+        t0 = time.perf_counter()
+        self.config, self.engine_index = config, engine_index
+        self.kv_store = None
+        if config.kv_transfer.kv_role is not None:  # before the workers: they connect to it
+            from longserve.kv_transfer.p2p import host_store
+            self.kv_store = host_store(config)
+        self.executor = Executor(config, dist_init)
+        self.kv = KVCacheManager(self.executor.num_blocks,
+                                 config.cache.block_size * config.parallel.cp_world_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.kv_connector = None
+        if config.kv_transfer.kv_role is not None or config.kv_transfer.kv_offload_bytes:
+            self.kv_connector = build_scheduler_connector(
+                config, self.kv, self.executor.driver.runner.kv_bytes_per_block(), self.kv_store)
+            self.scheduler.connector = self.kv_connector
+        self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
+        self._num_sent: dict[str, int] = {}  # output tokens already reported, per request
+        self.load_s = time.perf_counter() - t0
 
-    # ---- any thread -------------------------------------------------------------------
-    @property
-    def config(self):
-        return self.engine.config
+    # ---- requests ---------------------------------------------------------------------
+    def add_request(self, r: EngineCoreRequest) -> None:
+        req = Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids,
+                      arrival=r.arrival_time)
+        req.kv_transfer_params = dict(r.kv_transfer_params) if r.kv_transfer_params else None
+        self._num_sent[req.request_id] = 0
+        self.scheduler.add_request(req)
 
-    @property
-    def healthy(self) -> bool:
-        return self.error is None and not self._closed
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.finish_request(request_id, "abort")
+            self._num_sent.pop(request_id, None)
 
-    @property
-    def num_running(self) -> int:
-        sched = self.engine.scheduler
-        return sum(len(s.running) for s in getattr(sched, "schedulers", [sched]))  # DP: per rank
+    def has_work(self) -> bool:
+        """Requests to step, a step in flight, or KV transfers to serve (a producer's held
+        blocks go back only when a step sees the consumer's release or the lease's end)."""
+        return (self.scheduler.has_unfinished() or self._in_flight is not None
+                or self.scheduler.has_kv_transfers())
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests taken but not running (racy read: for admission control and gauges)."""
-        return max(0, self._num_live - self.num_running)
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
+        """One scheduled step. `lockstep`: expert models' DP ranks run a forward every step,
+        a dummy one when this rank has nothing planned."""
+        out = self.scheduler.schedule()
+        transfers = self.scheduler.has_kv_transfers()
+        idle = out.is_empty and not out.finished_req_ids and not transfers and not lockstep
+        if self.config.scheduler.async_scheduling:
+            return self._step_async(out, idle)
+        if idle:
+            return self._outputs(out, self.scheduler.update_from_output(out, {}))
+        if out.is_empty and transfers and out.kv_connector_metadata is None:
+            time.sleep(0.002)  # only polling the connectors: do not spin (a step that starts
+            # a load or announces a hold goes at once)
+        return self._apply(out, self.executor.execute(out))
 
-    def kv_cache_usage(self) -> float:
-        """Share of KV blocks in use, over every DP rank's pool."""
-        managers = self.engine.kv_managers
-        return 1.0 - sum(m.num_free_blocks for m in managers) / sum(m.num_blocks for m in managers)
+    def _step_async(self, out, idle: bool) -> list[EngineCoreOutput]:
+        """Launch step N+1, then wait for step N's sampled ids and apply them: the host plans
+        and prepares N+1 while the device still runs N."""
+        launched = None if idle else (out, self.executor.execute_async(out))
+        previous, self._in_flight = self._in_flight, launched
+        outputs = [] if previous is None else self._apply(previous[0], previous[1].result())
+        if launched is None:  # any finished while planning
+            outputs += self._outputs(out, self.scheduler.update_from_output(out, {}))
+        return outputs
 
-    def prefix_cache_tokens(self) -> tuple[int, int]:
-        """(prompt tokens looked up, found) in the prefix cache, over every DP rank."""
-        managers = self.engine.kv_managers
-        return (sum(m.num_cached_tokens_queried for m in managers),
-                sum(m.num_cached_tokens_hit for m in managers))
+    def drain(self) -> list[EngineCoreOutput]:
+        """Apply the step in flight, if any (an idle lockstep rank's last dummy step)."""
+        previous, self._in_flight = self._in_flight, None
+        return [] if previous is None else self._apply(previous[0], previous[1].result())
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def _apply(self, out, result) -> list[EngineCoreOutput]:
+        failed = []
+        if result is not None and result.kv_connector_output is not None:
+            failed = self.scheduler.update_kv_transfers(result.kv_connector_output)
+        if result is None:  # a dummy step
+            return self._outputs(out, failed + self.scheduler.update_from_output(out, {}))
+        finished = self.scheduler.update_from_output(out, result.sampled, result.logprobs,
+                                                     result.prompt_logprobs)
+        return self._outputs(out, failed + finished)
 
-    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.engine.encode(prompt, add_special_tokens)
-
-    def encode_chat(self, messages: list[dict], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict:
-        return self.engine.encode_chat(messages, chat_template, add_generation_prompt)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.engine.decode(token_ids)
-
-    def make_request(self, prompt, params: SamplingParams,
-                     data_parallel_rank: int | None = None) -> Request:
-        """Validate at the door: raises ValueError / TypeError naming the bad field."""
-        return self.engine.make_request(prompt, params, data_parallel_rank)
-
-    def make_requests(self, prompt, params: SamplingParams,
-                      data_parallel_rank: int | None = None) -> list[Request]:
-        """One request per choice (SamplingParams.n, when it exists): validated at the door."""
-        n = getattr(params, "n", 1)
-        if n == 1:
-            return [self.make_request(prompt, params, data_parallel_rank)]
-        return [self.make_request(prompt, replace(params, n=1, seed=None if params.seed is None
-                                                  else params.seed + i), data_parallel_rank)
-                for i in range(n)]
-
-    def add_request(self, request: Request, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
-        stream = RequestStream(request.request_id, loop)
-        with self._lock:
-            if self._closed:
-                raise EngineDeadError(self.error or "the engine is shutting down")
-            if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-                raise EngineOverloadedError(f"{self.num_waiting} requests are waiting "
-                                            f"(--max-waiting {self.max_waiting}); try again later")
-            self._num_live += 1
-            self._commands.put(("add", request, stream))
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort what is in flight, stop the loop, stop the workers."""
-        self._commands.put(("stop",))
-        self._thread.join(timeout)
-        self.engine.shutdown()
-
-    # ---- the loop thread --------------------------------------------------------------
-    def _run(self) -> None:
-        reason = "the engine is shutting down"
-        try:
-            while self._handle_commands(block=not self._busy()):
-                if self._busy():
-                    self.engine.step()
-                    self._emit()
-        except BaseException as e:  # a fatal error inside a step: the engine cannot go on
-            logger.exception("engine core failed")
-            self.error = reason = f"the engine failed: {type(e).__name__}: {e}"
-        finally:
-            self._fail_all(EngineDeadError(reason))
-
-    def _busy(self) -> bool:
-        """Requests to step, or KV transfers to serve: a producer's held blocks go back only
-        when a step sees the consumer's release or the lease's end, even with no request left."""
-        return self.engine.has_unfinished() or self.engine.has_kv_transfers()
-
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when idle); False on stop."""
-        try:
-            command = self._commands.get() if block else self._commands.get_nowait()
-            while True:
-                if command[0] == "stop":
-                    return False
-                if command[0] == "add":
-                    self._add(*command[1:])
-                else:
-                    self._abort(command[1])
-                command = self._commands.get_nowait()
-        except queue.Empty:
-            return True
-
-    def _add(self, request: Request, stream: RequestStream) -> None:
-        stops = request.sampling_params.stop
-        holdback = max(map(len, stops)) - 1 if stops else 0
-        if request.detokenizer is None:  # shared with the engine's stop-string check
-            request.detokenizer = IncrementalDetokenizer(self.engine.decode)
-        self._tracked[request.request_id] = _Tracked(request, stream, holdback)
-        self.engine.add_request(request)
-
-    def _abort(self, request_id: str) -> None:
-        tracked = self._tracked.get(request_id)
-        if tracked is None:
-            return
-        self.engine.abort_request(request_id)
-        self._deliver([(tracked.stream, self._finish(tracked, time.perf_counter()))])
-
-    def _emit(self) -> None:
-        """Stream what each request produced in the step; retire the finished."""
-        now, batch = time.perf_counter(), []
-        for tracked in list(self._tracked.values()):
-            req = tracked.request
-            if len(req.output_token_ids) == tracked.num_sent and not req.is_finished:
+    def _outputs(self, out, finished: list[Request]) -> list[EngineCoreOutput]:
+        """What each request of the applied plan gained, and every finished request's end."""
+        done = {r.request_id: r for r in finished}
+        outputs = []
+        for req_id in dict.fromkeys([r.req_id for r in out.requests] + list(done)):
+            req = self.scheduler.requests.get(req_id) or done.get(req_id)
+            sent = self._num_sent.get(req_id)
+            if req is None or sent is None:
+                continue  # aborted meanwhile: the front end already ended it
+            new = req.output_token_ids[sent:]
+            if not new and req_id not in done:
                 continue
-            out = self._finish(tracked, now) if req.is_finished else self._delta(tracked, now)
-            batch.append((tracked.stream, out))
-        self._deliver(batch)
+            outputs.append(self._output(req, sent, new, req_id in done))
+        return outputs
 
-    def _delta(self, tracked: _Tracked, now: float) -> StreamOutput:
-        req = tracked.request
-        new_ids = req.output_token_ids[tracked.num_sent:]
-        self._count_tokens(tracked, len(new_ids), now)
-        detok = req.detokenizer
-        detok.update(req.output_token_ids)  # a no-op where the stop-string check just did it
-        upto = len(detok.text) - tracked.holdback
-        text = detok.text[tracked.text_sent:upto] if upto > tracked.text_sent else ""
-        return self._output(tracked, new_ids, text)
+    def _output(self, req: Request, sent: int, new: list[int], finished: bool) -> EngineCoreOutput:
+        params = req.sampling_params
+        o = EngineCoreOutput(req.request_id, list(new))
+        if params.logprobs is not None:
+            o.new_logprobs = req.logprobs[sent:sent + len(new)]
+        if params.prompt_logprobs is not None and sent == 0 and (new or finished):
+            o.prompt_logprobs = list(req.prompt_logprobs)
+        self._num_sent[req.request_id] = sent + len(new)
+        if finished:
+            del self._num_sent[req.request_id]
+            o.finish_reason, o.stop_reason = req.finish_reason or "abort", req.stop_reason
+            o.kv_transfer_params, o.error = req.kv_transfer_params, req.error
+            o.num_preemptions = req.num_preemptions
+        return o
 
-    def _finish(self, tracked: _Tracked, now: float) -> StreamOutput:
-        req = tracked.request
-        new_ids = req.output_token_ids[tracked.num_sent:]
-        self._count_tokens(tracked, len(new_ids), now)
-        final = self.engine.to_output(req)  # what LLM.generate returns
-        out = self._output(tracked, new_ids, final.outputs[0].text[tracked.text_sent:])
-        out.kv_transfer_params, out.error = final.kv_transfer_params, final.error
-        out.finished, out.finish_reason = True, req.finish_reason or "abort"
-        out.stop_reason = req.stop_reason
-        self.stats.finished[out.finish_reason] += 1
-        self.stats.num_preemptions += req.num_preemptions
-        self.stats.e2e_request_latency.observe(now - req.arrival)
-        del self._tracked[req.request_id]
-        with self._lock:
-            self._num_live -= 1
-        return out
+    def dp_any_unfinished(self) -> bool:
+        """Lockstep DP: whether any DP rank still has requests (one all-reduce over the DP
+        ranks' engine cores, the first rank of each replica)."""
+        import torch
+        import torch.distributed as dist
+        flag = torch.tensor([int(self.scheduler.has_unfinished())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.executor.driver.ps.dp.cpu_group)
+        return bool(flag.item())
 
-    def _output(self, tracked: _Tracked, new_ids: list[int], text: str) -> StreamOutput:
-        req = tracked.request
-        logprobs = None
-        if req.sampling_params.logprobs is not None:
-            logprobs = req.logprobs[tracked.num_sent:tracked.num_sent + len(new_ids)]
-        tracked.num_sent += len(new_ids)
-        tracked.text_sent += len(text)
-        return StreamOutput(req.request_id, list(new_ids), text, logprobs, req.num_prompt_tokens,
-                            tracked.num_sent)
+    # ---- what the front end asks --------------------------------------------------------
+    def scheduler_stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(len(s.running), len(s.waiting) + len(s.loading),
+                              self.kv.num_free_blocks, self.kv.num_blocks,
+                              self.kv.num_cached_tokens_queried, self.kv.num_cached_tokens_hit)
 
-    def _count_tokens(self, tracked: _Tracked, n_new: int, now: float) -> None:
-        if n_new == 0:
-            return
-        req, stats = tracked.request, self.stats
-        stats.generation_tokens += n_new
-        if tracked.num_sent == 0:
-            stats.prompt_tokens += req.num_prompt_tokens
-            stats.time_to_first_token.observe((req.first_token_time or now) - req.arrival)
-        elif tracked.last_time is not None:
-            for _ in range(n_new):  # tokens that came out together share the gap
-                stats.inter_token_latency.observe((now - tracked.last_time) / n_new)
-        tracked.last_time = now
+    def info(self) -> dict:
+        """What this core holds (the server's start-up banner, the door's pool check)."""
+        driver = self.executor.driver
+        return dict(engine_index=self.engine_index, num_gpu_blocks=self.kv.num_blocks,
+                    tokens_per_block=self.kv.tokens_per_block, load_s=round(self.load_s, 2),
+                    cudagraph_capture_s=driver.cudagraph_capture_s,
+                    device_names=self.executor.device_names)
 
-    @staticmethod
-    def _deliver(batch: list[tuple[RequestStream, object]]) -> None:
-        """Hand outputs to their readers: one wake-up per event loop per step."""
-        by_loop = defaultdict(list)
-        for stream, item in batch:
-            if stream.loop is None:
-                stream.queue.put(item)
-            else:
-                by_loop[stream.loop].append((stream, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the loop is closed: nobody is reading
-                pass
+    def stats(self) -> dict:
+        """Counters of the KV cache and the connector (tests, benchmarks)."""
+        s = dict(num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+                 num_cached_tokens_hit=self.kv.num_cached_tokens_hit,
+                 num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
+                 num_dbo_steps=self.executor.driver.runner.num_dbo_steps)
+        for name in ("num_loaded_tokens", "num_saved_blocks"):
+            if hasattr(self.kv_connector, name):
+                s[f"kv_connector_{name}"] = getattr(self.kv_connector, name)
+        return s
 
-    def _fail_all(self, error: EngineDeadError) -> None:
-        """Close the door, then fail every request in flight or still queued."""
-        with self._lock:
-            self._closed = True
-        failed = [(t.stream, error) for t in self._tracked.values()]
-        self._tracked.clear()
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if command[0] == "add":
-                failed.append((command[2], error))
-        self._deliver(failed)
+    def pool_state(self) -> dict:
+        """Whether every KV block is back in the pool and no request is left (tests)."""
+        return dict(num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
+                    refs_zero=all(c == 0 for c in self.kv.ref_cnt),
+                    unfinished=self.scheduler.has_unfinished())
 
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
 
-def _put_all(items: list[tuple[RequestStream, object]]) -> None:
-    for stream, item in items:
-        stream.queue.put_nowait(item)
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+        if self.kv_connector is not None and hasattr(self.kv_connector, "close"):
+            self.kv_connector.close()

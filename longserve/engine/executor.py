@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from longserve.config import EngineConfig
 from longserve.kv_transfer.utils import KVOutputAggregator
-from longserve.step_plan import DPStepPlan, SchedulerOutput
+from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
 from longserve.worker.worker import SHUTDOWN, Worker, worker_main
 
@@ -70,16 +70,21 @@ def is_timeout(e: BaseException) -> bool:
 
 
 class Executor:
-    """Owns rank 0's worker and, when world_size > 1, the other ranks' processes."""
+    """Owns the replica's first rank (in this process) and, when the replica has several
+    ranks, the other ranks' processes. An expert model's DP ranks share one torch.distributed
+    world (their expert layers span it): then this replica's ranks are `base ..
+    base + replica_size - 1` of it and `init_method` names the world's rendezvous."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, init_method: str | None = None):
         self.config, self.world = config, config.parallel.world_size
+        self.base = config.parallel.data_parallel_rank * config.parallel.replica_size
+        self.init_method = init_method
         self.timeout = config.parallel.distributed_timeout_s
         self.procs: list = []
         self.driver: Worker | None = None
         self.failure: str | None = None
         self.port: int | None = None
-        self.progress = None  # plans received, per rank (shared memory)
+        self.progress = None  # plans received, per global rank (shared memory)
         self._closing, self._step, self._waiting = False, 0, None
         self._threads, self._owns_groups = None, False
         self._torchrun = self.world > 1 and launched_by_torchrun()
@@ -107,19 +112,33 @@ class Executor:
         if self.world > 1:
             _live.add(self)
 
+    @property
+    def worker_ranks(self) -> range:
+        """The global ranks of this replica's spawned workers (procs[i] is worker_ranks[i])."""
+        return range(self.base + 1, self.base + self.config.parallel.replica_size)
+
     def _spawn(self, config: EngineConfig) -> Worker:
-        self.port = free_port()
-        init_method = f"tcp://127.0.0.1:{self.port}"
+        init_method = self.init_method
+        if init_method is None:
+            self.port = free_port()
+            init_method = f"tcp://127.0.0.1:{self.port}"
         ctx = mp.get_context("spawn")
         self.progress = ctx.Array("q", self.world, lock=False)
-        for rank in range(1, self.world):
+        for rank in self.worker_ranks:
             p = ctx.Process(target=worker_main, daemon=True,
-                            args=(config, rank, init_method, None, self.progress))
+                            args=(config, rank, init_method, rank - self.base, self.progress))
             p.start()
             self.procs.append(p)
         self._watchdog = threading.Thread(target=watch, args=(weakref.ref(self),), daemon=True)
         self._watchdog.start()
-        return Worker(config, 0, init_method, alive_check=self._raise_if_failed)
+        return Worker(config, self.base, init_method, 0, alive_check=self._raise_if_failed)
+
+    @property
+    def device_names(self) -> list[str]:
+        """The devices of this replica's ranks (the driver's, one per rank)."""
+        name = ("cpu" if self.driver.device.type != "cuda"
+                else torch.cuda.get_device_name(self.driver.device))
+        return [name] * self.config.parallel.replica_size
 
     def _raise_if_failed(self) -> None:
         if self.failure:
@@ -166,19 +185,19 @@ class Executor:
 
     def _laggards(self, step: int | None = None) -> str:
         """The workers to blame: stopped ones, else those that did not take plan `step`."""
-        stopped = [r for r, p in enumerate(self.procs, 1) if process_state(p.pid) == "T"]
+        stopped = [r for r, p in zip(self.worker_ranks, self.procs) if process_state(p.pid) == "T"]
         if stopped:
             return ", ".join(map(str, stopped)) + " (its process is stopped)"
         step = self._step if step is None else step
-        behind = [r for r in range(1, self.world) if self.progress and self.progress[r] < step]
-        return ", ".join(map(str, behind or range(1, self.world)))
+        behind = [r for r in self.worker_ranks if self.progress and self.progress[r] < step]
+        return ", ".join(map(str, behind or self.worker_ranks))
 
     # ---- steps ------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput | DPStepPlan) -> ModelRunnerOutput | None:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step and wait for its results."""
         return self.execute_async(out).result()
 
-    def execute_async(self, out: SchedulerOutput | DPStepPlan) -> "PendingStep":
+    def execute_async(self, out: SchedulerOutput) -> "PendingStep":
         """Launch one step: every rank has its plan and rank 0's kernels are queued; the
         sampled ids come back through the returned PendingStep (asynchronous scheduling)."""
         if self.failure:
@@ -191,7 +210,7 @@ class Executor:
                 return PendingStep(self, self._step, self.driver.execute(out, resolve=False))
             try:
                 with self._waiting_for(f"taking the plan of step {self._step}"):
-                    self.driver.ps.world.broadcast_object(out)  # model group if dp == 1
+                    self.driver.ps.model.broadcast_object(out)
                 with self._waiting_for(f"running step {self._step}"):
                     return PendingStep(self, self._step, self.driver.execute(out, resolve=False))
             except BaseException as e:
@@ -222,7 +241,7 @@ class Executor:
         self._closing = True
         if self.world > 1 and self.failure is None and self.driver is not None:
             try:
-                self.driver.ps.world.broadcast_object(SHUTDOWN)
+                self.driver.ps.model.broadcast_object(SHUTDOWN)
             except Exception:
                 pass
             deadline = time.monotonic() + min(self.timeout, 10.0)
@@ -329,7 +348,7 @@ def watch(ref: weakref.ref) -> None:
         ex = ref()
         if ex is None or ex.failure or ex._closing:
             return
-        for rank, p in enumerate(ex.procs, start=1):
+        for rank, p in zip(ex.worker_ranks, ex.procs):
             p.join(timeout=0.1)
             if p.exitcode is not None and not ex._closing:
                 ex.failure = f"worker rank {rank} died (exit code {p.exitcode})"

@@ -1,42 +1,60 @@
-"""The engine loop: validate and queue requests, schedule a step, run it, apply the results."""
+"""The front end: the door, the engine cores' client and every request's outputs.
+
+`LLM` (offline) and the API server (online) share it: a prompt is tokenized and validated
+here (`make_request`, raising ValueError / TypeError naming the field, before anything is
+queued), goes to the engine core that the DP coordinator picks, and comes back as text
+through the output processor. The step loop runs in the cores' own processes
+(engine/core_proc.py), or on a thread of this one (`LONGSERVE_ENABLE_MULTIPROCESSING=0`).
+"""
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import queue
 import time
 
 from longserve.config import EngineConfig
-from longserve.engine.detokenizer import IncrementalDetokenizer, find_stop
-from longserve.engine.dp_scheduler import check_dp_rank, make_scheduler
-from longserve.engine.executor import Executor
-from longserve.engine.request import CompletionOutput, Request, RequestOutput
+from longserve.engine.core_client import InprocClient, MPClient
+from longserve.engine.dp_coordinator import DPCoordinator
+from longserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from longserve.engine.output_processor import (EngineDeadError, EngineOverloadedError,
+                                               OutputProcessor, RequestStream)
+from longserve.engine.scheduler import check_request_fits
 from longserve.inputs import parse_prompt
-from longserve.kv_transfer.base import build_scheduler_connector
 from longserve.sampling_params import SamplingParams
 from longserve.tokenizer import load_tokenizer, render_chat
 
+logger = logging.getLogger("longserve.engine")
+MULTIPROCESSING = "LONGSERVE_ENABLE_MULTIPROCESSING"
+
+
+def use_multiprocessing(config: EngineConfig) -> bool:
+    """Engine cores in processes of their own, unless asked not to (one core only) or under
+    torchrun (rank 0's process drives its replica, the others are its workers)."""
+    from longserve.engine.executor import launched_by_torchrun
+    if config.parallel.data_parallel_size > 1:
+        return True
+    return os.environ.get(MULTIPROCESSING, "1") != "0" and not launched_by_torchrun()
+
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        self.config = config
+    def __init__(self, config: EngineConfig, max_waiting: int | None = None):
+        self.config, self.max_waiting = config, max_waiting
         self.tokenizer_info = load_tokenizer(config.model)
         self.tokenizer = self.tokenizer_info.tokenizer
-        self.kv_store = None
-        if config.kv_transfer.kv_role is not None:  # before the workers: they connect to it
-            from longserve.kv_transfer.p2p import host_store
-            self.kv_store = host_store(config)
-        self.executor = Executor(config)
-        # with data parallelism: one KV cache manager per DP rank, a DPScheduler over them
-        self.scheduler, self.kv_managers = make_scheduler(config, self.executor.num_blocks)
-        self.kv = self.kv_managers[0]
-        self.kv_connector = None
-        if config.kv_transfer.kv_role is not None or config.kv_transfer.kv_offload_bytes:
-            self.kv_connector = build_scheduler_connector(
-                config, self.kv, self.executor.driver.runner.kv_bytes_per_block(), self.kv_store)
-            self.scheduler.connector = self.kv_connector  # dp == 1: one Scheduler
+        self.output = OutputProcessor(self.decode)
+        self.error: str | None = None  # set when no core can serve any more
+        self._closed = False
         self._ids = itertools.count()
-        self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
+        self.coordinator = DPCoordinator(config.parallel.data_parallel_size, config.dp_lockstep)
+        client = MPClient if use_multiprocessing(config) else InprocClient
+        self.client = client(config, self._on_outputs, self._on_dead)
+        self.infos = self.client.infos
+        self.num_blocks = min(info["num_gpu_blocks"] for info in self.infos)
+        self.tokens_per_block = self.infos[0]["tokens_per_block"]
 
-    # ---- requests ---------------------------------------------------------------------
+    # ---- tokens and text --------------------------------------------------------------
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model.path!r} has no tokenizer (tokenizer.json); "
@@ -55,32 +73,36 @@ class LLMEngine:
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    # ---- the door ---------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams,
-                     data_parallel_rank: int | None = None) -> Request:
+                     data_parallel_rank: int | None = None) -> EngineCoreRequest:
         """Validate one prompt (see longserve/inputs.py) and its parameters into a request;
         data_parallel_rank pins it to one DP rank."""
         check_dp_rank(data_parallel_rank, self.config.parallel.data_parallel_size)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params = params.canonical()  # plain and validated: it always pickles to the workers
+        params = params.canonical()  # plain and validated: it always serializes to the core
         ids, text = parse_prompt(prompt, self.encode)
         self.check_prompt(ids)
         self.check_params(params, len(ids))
-        req = Request(str(next(self._ids)), ids, params, eos_token_ids=self.config.model.eos_token_ids,
-                      prompt=text, arrival=time.perf_counter(), data_parallel_rank=data_parallel_rank)
         kv_params = (params.extra_args or {}).get("kv_transfer_params")
         if kv_params is not None and not isinstance(kv_params, dict):
             raise ValueError(f"kv_transfer_params must be a dict, got {type(kv_params).__name__}")
-        req.kv_transfer_params = dict(kv_params) if kv_params else None  # the engine marks it used
-        if req.kv_transfer_params is not None:
-            if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: the "
-                                 "prompt's KV is loaded, not computed (ask the producer for them)")
-            if not hasattr(self.kv_connector, "validate_params"):
-                raise ValueError("kv_transfer_params need an instance started with a kv_role "
-                                 "(kv_transfer_config={'kv_role': 'kv_consumer'})")
-            self.kv_connector.validate_params(req)
+        req = EngineCoreRequest(str(next(self._ids)), ids, params, self.config.model.eos_token_ids,
+                                time.perf_counter(), data_parallel_rank, kv_params or None, text)
+        if kv_params:
+            self.check_kv_transfer_params(req)
         return req
+
+    def make_requests(self, prompt, params: SamplingParams,
+                      data_parallel_rank: int | None = None) -> list[EngineCoreRequest]:
+        """One request per choice (SamplingParams.n, when it exists): validated at the door."""
+        n = getattr(params, "n", 1)
+        req = self.make_request(prompt, params, data_parallel_rank)
+        if n == 1:
+            return [req]
+        return [self.make_request({"prompt_token_ids": req.prompt_token_ids},
+                                  _choice_params(params, i), data_parallel_rank) for i in range(n)]
 
     def check_prompt(self, ids: list[int]) -> None:
         max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size
@@ -103,114 +125,149 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        self.scheduler.check_fits(num_prompt_tokens, params.max_tokens)
+        check_request_fits(num_prompt_tokens, params.max_tokens, self.config.scheduler.max_model_len,
+                           self.num_blocks, self.tokens_per_block)
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
+        if req.sampling_params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: the "
+                             "prompt's KV is loaded, not computed (ask the producer for them)")
+        if self.config.kv_transfer.kv_role is None:
+            raise ValueError("kv_transfer_params need an instance started with a kv_role "
+                             "(kv_transfer_config={'kv_role': 'kv_consumer'})")
+        from longserve.kv_transfer.p2p import validate_kv_transfer_params
+        validate_kv_transfer_params(self.config, req.kv_transfer_params, req.prompt_token_ids)
 
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id, "abort")
+    # ---- requests in flight -----------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest, loop=None,
+                    sink: queue.SimpleQueue | None = None) -> RequestStream | queue.SimpleQueue:
+        """Queue a validated request. Its outputs go to a new RequestStream (deltas; read by
+        a thread, or by `loop`), or, with `sink`, its RequestOutput goes there at the end."""
+        if self.error is not None or self._closed:
+            raise EngineDeadError(self.error or "the engine is shutting down")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise EngineOverloadedError(f"{self.num_waiting} requests are waiting "
+                                        f"(--max-waiting {self.max_waiting}); try again later")
+        core = self.coordinator.choose(request.data_parallel_rank)
+        if core in self.coordinator.dead:
+            raise EngineDeadError(self.client.dead.get(core, f"engine core {core} is dead"))
+        sink = sink if sink is not None else RequestStream(request.request_id, loop)
+        self.output.add(request, sink, core)
+        wave = self.coordinator.on_send(core)
+        self.client.add_request(core, request)
+        if wave is not None:
+            self.client.start_wave(wave)
+        return sink
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+    def abort(self, request_id: str) -> None:
+        core = self.output.engine_of(request_id)
+        if core is None:
+            return
+        self.output.abort(request_id)
+        try:
+            self.client.abort(core, [request_id])
+        except RuntimeError:
+            pass  # its core is gone: nothing of it is left to free
 
-    def has_kv_transfers(self) -> bool:
-        """A producer's held blocks or a consumer's loads: keep calling step() until False."""
-        return self.scheduler.has_kv_transfers()
+    def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+        """On the client's reader thread: one core's step."""
+        if msg.stats is not None:
+            self.coordinator.on_stats(msg.engine_index, msg.stats)
+        if msg.outputs:
+            stopped = self.output.process(msg.outputs)
+            if stopped:  # a stop string ended them here: their core frees their blocks
+                self.client.abort(msg.engine_index, stopped)
+        if msg.wave_started is not None:
+            wave = self.coordinator.on_wave_started(msg.wave_started)
+            if wave is not None:
+                self.client.start_wave(wave)
+        if msg.wave_finished is not None:
+            self.coordinator.on_wave_finished(msg.wave_finished)
 
-    def stats(self) -> dict:
-        s = dict(num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
-                 num_cached_tokens_hit=self.kv.num_cached_tokens_hit,
-                 num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks)
-        for name in ("num_loaded_tokens", "num_saved_blocks"):
-            if hasattr(self.kv_connector, name):
-                s[f"kv_connector_{name}"] = getattr(self.kv_connector, name)
-        return s
+    def _on_dead(self, core: int, reason: str) -> None:
+        """A core died: its requests fail. Expert models' cores step together, so all fail;
+        dense models' other cores go on serving."""
+        logger.error(reason)
+        self.coordinator.dead.add(core)
+        if self.config.dp_lockstep or len(self.coordinator.dead) == self.coordinator.num_cores:
+            self.error = reason
+            self.output.fail(EngineDeadError(reason))
+        else:
+            self.output.fail(EngineDeadError(reason), core)
 
-    # ---- the loop ---------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """One scheduled step; returns the requests that finished in it. With asynchronous
-        scheduling the step just planned is launched and the previous one's results are
-        applied (so a request finishes one call later than it would synchronously)."""
-        out = self.scheduler.schedule()
-        transfers = self.scheduler.has_kv_transfers()
-        idle = out.is_empty and not out.finished_req_ids and not transfers
-        if self.config.scheduler.async_scheduling:
-            return self._step_async(out, idle)
-        if idle:
-            return self.scheduler.update_from_output(out, {})  # any finished while planning
-        if out.is_empty and transfers and out.kv_connector_metadata is None:
-            time.sleep(0.002)  # only polling the connectors: do not spin (a step that starts
-            # a load or announces a hold goes at once)
-        return self._apply(out, self.executor.execute(out))
+    # ---- what the server reads --------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """Every core alive (a dead one makes /health answer 503, even if others serve)."""
+        return self.error is None and not self._closed and not self.coordinator.dead
 
-    def _step_async(self, out, idle: bool) -> list[Request]:
-        """Launch step N+1, then wait for step N's sampled ids and apply them: the host plans
-        and prepares N+1 while the device still runs N."""
-        launched = None if idle else (out, self.executor.execute_async(out))
-        previous, self._in_flight = self._in_flight, launched
-        finished = [] if previous is None else self._apply(previous[0], previous[1].result())
-        if launched is None:
-            finished += self.scheduler.update_from_output(out, {})  # any finished while planning
-        return finished
+    @property
+    def stats(self):
+        return self.output.stats
 
-    def _apply(self, out, result) -> list[Request]:
-        failed = []
-        if result.kv_connector_output is not None:
-            failed = self.scheduler.update_kv_transfers(result.kv_connector_output)
-        now = time.perf_counter()
-        for req_id in result.sampled:
-            req = self.scheduler.requests.get(req_id)
-            if req is not None and req.first_token_time is None:
-                req.first_token_time = now
-        finished = self.scheduler.update_from_output(out, result.sampled, result.logprobs,
-                                                     result.prompt_logprobs)
-        return failed + finished + self._apply_stop_strings(result.sampled, finished)
+    @property
+    def num_running(self) -> int:
+        return self.coordinator.total("num_running")
 
-    def _apply_stop_strings(self, sampled: dict[str, int], finished: list[Request]) -> list[Request]:
-        """Stop strings, checked on the new text only; one completed by the last allowed token
-        still counts (its request just finished by length); none counts before min_tokens."""
-        just_finished = {r.request_id: r for r in finished}
-        stopped = []
-        for req_id in sampled:
-            req = self.scheduler.requests.get(req_id) or just_finished.get(req_id)
-            params = None if req is None else req.sampling_params
-            if params is None or not params.stop or req.finish_reason == "stop":
-                continue
-            if req.detokenizer is None:
-                req.detokenizer = IncrementalDetokenizer(self.decode)
-            new = req.detokenizer.update(req.output_token_ids)
-            if not new or len(req.output_token_ids) < params.min_tokens:
-                continue
-            hit = find_stop(req.detokenizer.text, len(new), params.stop)
-            if hit is None:
-                continue
-            at, stop = hit
-            keep = at + len(stop) if params.include_stop_str_in_output else at
-            req.output_text, req.stop_reason = req.detokenizer.text[:keep], stop
-            if req_id in just_finished:
-                req.finish_reason = "stop"  # was "length"
-            else:
-                self.scheduler.finish_request(req_id, "stop")
-                stopped.append(req)
-        return stopped
+    @property
+    def num_waiting(self) -> int:
+        """Requests taken but not running (racy read: for admission control and gauges)."""
+        return max(0, self.output.num_unfinished - self.num_running)
 
-    def to_output(self, req: Request) -> RequestOutput:
-        text = req.output_text if req.stop_reason in req.sampling_params.stop else \
-            self.decode(req.output_token_ids)
-        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason,
-                                      req.stop_reason, req.logprobs or None)],
-            finished=req.is_finished,
-            metrics={"time_to_first_token": ttft, "num_preemptions": req.num_preemptions},
-            kv_transfer_params=req.kv_transfer_params if req.is_finished else None,
-            error=req.error,
-            prompt_logprobs=None if req.sampling_params.prompt_logprobs is None
-            else [None] + list(req.prompt_logprobs))
+    def kv_cache_usage(self) -> float:
+        return self.coordinator.kv_usage()
 
-    def shutdown(self) -> None:
-        self.executor.shutdown()
-        if self.kv_connector is not None and hasattr(self.kv_connector, "close"):
-            self.kv_connector.close()
+    def prefix_cache_tokens(self) -> tuple[int, int]:
+        """(prompt tokens looked up, found) in the prefix cache, over every core."""
+        return self.coordinator.total("prefix_queries"), self.coordinator.total("prefix_hits")
+
+    def info(self) -> dict:
+        """What the engine holds (the server's start-up banner)."""
+        c, first = self.config, self.infos[0]
+        par = c.parallel
+        return dict(model=c.model.path, dtype=str(c.dtype).removeprefix("torch."), device=c.device,
+                    device_names=[n for i in self.infos for n in i["device_names"]],
+                    tensor_parallel_size=par.tensor_parallel_size,
+                    prefill_context_parallel_size=par.prefill_context_parallel_size,
+                    decode_context_parallel_size=par.decode_context_parallel_size,
+                    data_parallel_size=par.data_parallel_size, num_gpu_blocks=self.num_blocks,
+                    tokens_per_block=self.tokens_per_block, max_model_len=c.scheduler.max_model_len,
+                    cudagraph_capture_s=first["cudagraph_capture_s"],
+                    load_s=max(i["load_s"] for i in self.infos))
+
+    def call(self, method: str, *args, core: int = 0, timeout: float = 60.0):
+        """EngineCore.<method>(*args) in one core (tests, benchmarks)."""
+        return self.client.call(core, method, *args, timeout=timeout)
+
+    def core_stats(self) -> dict:
+        """The cores' counters (prompt tokens computed, prefix hits, KV loads...), summed."""
+        total: dict = {}
+        for core in range(self.coordinator.num_cores):
+            for k, v in self.call("stats", core=core).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def pool_states(self) -> list[dict]:
+        return [self.call("pool_state", core=c) for c in range(self.coordinator.num_cores)
+                if c not in self.coordinator.dead]
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight, stop the cores (and their workers). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client.shutdown(timeout)
+        self.output.fail(EngineDeadError("the engine is shutting down"))
+
+
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of an n > 1 request: one choice; a seeded request's choices differ."""
+    from dataclasses import replace
+    seed = None if params.seed is None else params.seed + i
+    return replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+
+
+def check_dp_rank(rank, dp_size: int) -> None:
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
+                             or not 0 <= rank < dp_size):
+        raise ValueError(f"data_parallel_rank must be an integer in [0, {dp_size}), got {rank!r}")

@@ -36,6 +36,18 @@ from longserve.engine.request import Request, RequestStatus
 from longserve.step_plan import ScheduledRequest, SchedulerOutput
 
 
+def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                       num_blocks: int, tokens_per_block: int) -> None:
+    """The door rule: refuse a request that could not run even alone in the pool at its longest."""
+    longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
+    need = -(-(longest - 1) // tokens_per_block)  # the last sampled token is never cached
+    if need > num_blocks:
+        raise ValueError(
+            f"the request needs {need} KV blocks ({num_prompt_tokens} prompt tokens + up to "
+            f"{longest - num_prompt_tokens} output tokens), the cache has {num_blocks}; "
+            "lower max_tokens, shorten the prompt or give the KV cache more memory")
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, connector=None):
         self.config = config
@@ -52,15 +64,8 @@ class Scheduler:
         self._finished_in_schedule: list[Request] = []  # outgrew the whole pool (see check_fits)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Refuse a request that could not run even alone in the pool at its longest."""
-        max_len = self.config.max_model_len
-        longest = min(num_prompt_tokens + (max_tokens or max_len), max_len)
-        need = self.kv.blocks_needed(longest - 1)  # the last sampled token is never cached
-        if need > self.kv.num_blocks:
-            raise ValueError(
-                f"the request needs {need} KV blocks ({num_prompt_tokens} prompt tokens + up to "
-                f"{longest - num_prompt_tokens} output tokens), the cache has {self.kv.num_blocks}; "
-                "lower max_tokens, shorten the prompt or give the KV cache more memory")
+        check_request_fits(num_prompt_tokens, max_tokens, self.config.max_model_len,
+                           self.kv.num_blocks, self.kv.tokens_per_block)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request

@@ -70,6 +70,26 @@ def host_store(config):
     return store
 
 
+def validate_kv_transfer_params(config, p, prompt_token_ids: list[int]) -> None:
+    """At the door: a consumer's params must come from a producer of this model and prompt."""
+    if not isinstance(p, dict) or not p.get("do_remote_prefill"):
+        return
+    role = config.kv_transfer.kv_role
+    if role not in ("kv_consumer", "kv_both"):
+        raise ValueError(f"kv_transfer_params with do_remote_prefill need kv_role kv_consumer "
+                         f"or kv_both; this instance is {role}")
+    missing = [k for k in PARAM_KEYS if k not in p]
+    if missing:
+        raise ValueError(f"kv_transfer_params lacks {missing}")
+    if p["prompt_hash"] != prompt_hash(prompt_token_ids):
+        raise ValueError("kv_transfer_params were made for a different prompt")
+    remote = KVLayout(**p["remote_layout"])
+    model = config.model
+    if (remote.num_kv_heads, p["num_layers"], p["head_dim"]) != \
+            (layout_of(config).num_kv_heads, model.num_layers, model.head_dim):
+        raise ValueError("kv_transfer_params come from an instance of a different model shape")
+
+
 @dataclass
 class LoadSpec:
     req_id: str
@@ -105,22 +125,7 @@ class P2pConnectorScheduler:
         self.num_loaded_tokens = 0
 
     def validate_params(self, req) -> None:
-        """At the door: a consumer's params must come from a producer of this model and prompt."""
-        p = req.kv_transfer_params
-        if not isinstance(p, dict) or not p.get("do_remote_prefill"):
-            return
-        if not self.consumes:
-            raise ValueError(f"kv_transfer_params with do_remote_prefill need kv_role kv_consumer "
-                             f"or kv_both; this instance is {self.kvt.kv_role}")
-        missing = [k for k in PARAM_KEYS if k not in p]
-        if missing:
-            raise ValueError(f"kv_transfer_params lacks {missing}")
-        if p["prompt_hash"] != prompt_hash(req.prompt_token_ids):
-            raise ValueError("kv_transfer_params were made for a different prompt")
-        remote = KVLayout(**p["remote_layout"])
-        if (remote.num_kv_heads, p["num_layers"], p["head_dim"]) != \
-                (self.layout.num_kv_heads, self.config.model.num_layers, self.config.model.head_dim):
-            raise ValueError("kv_transfer_params come from an instance of a different model shape")
+        validate_kv_transfer_params(self.config, req.kv_transfer_params, req.prompt_token_ids)
 
     # ---- consumer --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -1,8 +1,6 @@
-"""A data-parallel rank's share of a step, and the steps of models with expert layers.
+"""The steps of models with expert layers under data parallelism or dual-batch overlap.
 
-- `execute_dp_step`: every rank receives the plans of all DP ranks (`DPStepPlan`), runs its
-  own DP rank's plan, and the DP ranks' first ranks send their sampled tokens to the driver
-  (one gather over the gloo group of those first ranks).
+Each DP rank is an engine core of its own (engine/core_proc.py) with its own plans.
 - Models with expert layers and DP > 1 (or dual-batch overlap) run `run_coordinated`: the
   DP ranks agree on the step's shape with `coordinate_batch_across_dp` (padding to one
   token count, micro-batching only if all can), because every rank joins every expert
@@ -13,44 +11,14 @@
 """
 from __future__ import annotations
 
-from dataclasses import fields
-
 import numpy as np
 import torch
 
 from longserve.models.dbo import run_dual_batch
-from longserve.step_plan import DPStepPlan, ScheduledRequest
+from longserve.step_plan import ScheduledRequest
 from longserve.worker.dp_utils import coordinate_batch_across_dp
 from longserve.worker.step_inputs import StepInputs, prepare_step
 from longserve.worker.utils import is_residual_scattered_for_sp
-
-
-def execute_dp_step(worker, step: DPStepPlan):
-    """Run this rank's plan; on the driver, the merged results of every DP rank."""
-    ps = worker.ps
-    mine = step.plans[ps.layout.dp_rank]
-    result = worker.runner.execute(mine, dp_lockstep=step.lockstep and not step.is_empty)
-    result = None if result is None else result.resolve()  # DP steps are synchronous
-    if ps.tp.rank_in_group != 0 or ps.pcp.rank_in_group != 0:
-        return None  # only each DP rank's first rank holds sampled tokens
-    results = ps.dp.gather_object(result)
-    return None if results is None else merge_outputs(results)
-
-
-def merge_outputs(results: list):
-    """One output from every DP rank's: dict fields (keyed by request id, never repeated
-    across ranks) are merged, list fields concatenated, others taken from the first."""
-    results = [r for r in results if r is not None]
-    merged = {}
-    for f in fields(results[0]):
-        values = [getattr(r, f.name) for r in results]
-        if isinstance(values[0], dict):
-            merged[f.name] = {k: v for value in values for k, v in value.items()}
-        elif isinstance(values[0], list):
-            merged[f.name] = [x for value in values for x in value]
-        else:
-            merged[f.name] = values[0]
-    return type(results[0])(**merged)
 
 
 def wants_dbo(parallel, inp: StepInputs) -> bool:

@@ -121,6 +121,9 @@ class ModelRunner:
         # expert layers shared by DP ranks (or split into micro-batches): every step's shape
         # is agreed on with the other DP ranks (worker/dp_step.py)
         self.coordinated = config.model.is_moe and (par.data_parallel_size > 1 or par.enable_dbo)
+        # expert layers span the DP ranks: the engine core executes a plan only while every DP
+        # rank steps (a wave), so an empty plan here is a dummy step
+        self.dp_lockstep = config.dp_lockstep
         self.num_dbo_steps = 0  # steps run as two micro-batches
         self.kv_connector = build_worker_connector(config, ps, device)  # None without KV transfer
         # asynchronous scheduling: the last step's sampled ids on the device and the row of
@@ -189,20 +192,18 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     @torch.no_grad()
-    def execute(self, out: SchedulerOutput, profile: bool = False,
-                dp_lockstep: bool = False) -> ModelRunnerOutput | None:
-        """dp_lockstep: another DP rank runs a step that this rank must join (expert layers)."""
+    def execute(self, out: SchedulerOutput, profile: bool = False) -> ModelRunnerOutput | None:
         kv = None if profile else self.kv_connector
         if kv is not None:  # before new blocks are zeroed: offload saves evicted blocks first
             kv.start_load_kv(out.kv_connector_metadata)
-        result = self._execute(out, profile, dp_lockstep)
+        result = self._execute(out, profile)
         if kv is not None:
             kv.wait_for_save()
             result = result or ModelRunnerOutput({}, {})
             result.kv_connector_output = connector_output(kv, out.finished_req_ids)
         return result
 
-    def _execute(self, out: SchedulerOutput, profile: bool, dp_lockstep: bool) -> ModelRunnerOutput | None:
+    def _execute(self, out: SchedulerOutput, profile: bool) -> ModelRunnerOutput | None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         if out.new_block_ids and not profile:
@@ -213,7 +214,7 @@ class ModelRunner:
             else:
                 self.requests[r.req_id].block_ids.extend(r.block_ids)
         if not out.requests:
-            if dp_lockstep:
+            if self.dp_lockstep:  # the other DP ranks run a step this rank must join
                 run_dummy_step(self)
             return ModelRunnerOutput({}, {})
         block_ids = [self.requests[r.req_id].block_ids for r in out.requests]

@@ -6,6 +6,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Callable
@@ -16,8 +17,7 @@ import torch.distributed as dist
 
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import build_parallel_state
-from longserve.step_plan import DPStepPlan, SchedulerOutput
-from longserve.worker.dp_step import execute_dp_step
+from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from longserve.worker.piecewise_graphs import piecewise_pool_bytes
 from longserve.worker.utils import MemorySnapshot, request_memory
@@ -83,6 +83,7 @@ class Worker:
                                     world_size=world, timeout=datetime.timedelta(seconds=timeout),
                                     **where)
         self.ps = build_parallel_state(config.parallel, rank)
+        self.cudagraph_capture_s: float | None = None
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.ps, self.device)
 
@@ -121,14 +122,13 @@ class Worker:
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.register_kv_caches(self.runner.kv_cache_dict)
         if self.device.type == "cuda" and not self.config.enforce_eager:
+            t0 = time.perf_counter()
             self.runner.capture_cudagraphs()
+            self.cudagraph_capture_s = round(time.perf_counter() - t0, 2)
 
-    def execute(self, out: SchedulerOutput | DPStepPlan,
-                resolve: bool = True) -> ModelRunnerOutput | None:
+    def execute(self, out: SchedulerOutput, resolve: bool = True) -> ModelRunnerOutput | None:
         """resolve=False: return as soon as the step is queued on the device; the output's
         resolve() waits for the sampled ids (asynchronous scheduling)."""
-        if isinstance(out, DPStepPlan):  # data parallel: every DP rank's plan
-            return execute_dp_step(self, out)
         result = self.runner.execute(out)
         return result.resolve() if resolve and result is not None else result
 
@@ -143,6 +143,19 @@ class Worker:
             torch.cuda.empty_cache()
 
 
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process when the one that started it is gone (even killed with SIGKILL, which
+    runs no clean-up there): a thread watches the parent's pid."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="longserve-parent-watch", daemon=True).start()
+
+
 def worker_main(config: EngineConfig, rank: int, init_method: str,
                 local_rank: int | None = None, progress=None) -> None:
     """Entry of a spawned worker: follow the driver's steps until it says shutdown.
@@ -152,6 +165,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
         os._exit(7)
     # Ctrl-C reaches the whole process group: the driver decides (drain, then SHUTDOWN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     try:
         worker = Worker(config, rank, init_method, local_rank)
         worker.init_cache(worker.determine_num_blocks())
@@ -167,7 +181,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
 
 def run_worker_loop(worker: Worker, progress=None) -> None:
     while True:
-        out = worker.ps.world.broadcast_object(None)
+        out = worker.ps.model.broadcast_object(None)
         if progress is not None:
             progress[worker.rank] += 1
         if out == SHUTDOWN:

@@ -1,0 +1,345 @@
+"""The front end's handle on its engine cores.
+
+`MPClient`: one engine-core process per DP rank (engine/core_proc.py) over ZeroMQ. The front
+end binds a ROUTER (commands to core d go to the DEALER named d) and a PULL (every core's
+outputs); a thread reads the PULL and hands each message to `on_outputs`, and watches the
+cores: a local core whose process ended, or any core silent for HEARTBEAT_TIMEOUT_S, is dead
+(`on_dead`). Cores of this host are spawned here; a headless host starts its own and they
+connect to `--data-parallel-address:--data-parallel-rpc-port`.
+
+`InprocClient` (LONGSERVE_ENABLE_MULTIPROCESSING=0, torchrun, debugging): one EngineCore on a
+thread of this process, the same loop and messages without sockets.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+
+from longserve.config import EngineConfig
+from longserve.engine.core_proc import CoreAddresses, EngineCoreProc
+from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
+                                       decode_outputs, encode, unpack_result)
+
+logger = logging.getLogger("longserve.engine")
+HEARTBEAT_TIMEOUT_S = 30.0  # a core heard from within this is alive (it beats every second)
+START_TIMEOUT_S = 1800.0  # loading weights and capturing graphs of a large model takes a while
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for client in list(_live):
+        client.shutdown()
+
+
+def core_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
+    """A core's copy of the config: dense models' cores are independent replicas (dp = 1 each);
+    expert models' cores keep dp and know their rank (one torch.distributed world)."""
+    par = config.parallel
+    par = (replace(par, data_parallel_rank=dp_rank) if config.dp_lockstep
+           else replace(par, data_parallel_size=1, data_parallel_rank=0))
+    return replace(config, parallel=par)
+
+
+def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddresses,
+                       local_index: int) -> subprocess.Popen:
+    """Start DP rank `dp_rank`'s engine core; on CUDA it sees its own GPUs only (this host's
+    local_index-th run of replica_size devices)."""
+    per_core = config.parallel.replica_size
+    devices = (list(range(local_index * per_core, (local_index + 1) * per_core))
+               if config.device == "cuda" else None)
+    proc = subprocess.Popen([sys.executable, "-m", "longserve.engine"],
+                            stdin=subprocess.PIPE)
+    proc.stdin.write(pickle.dumps((config, dp_rank, addresses, devices)))
+    proc.stdin.close()
+    return proc
+
+
+def dp_addresses(par) -> tuple[str, str, str]:
+    """(commands, outputs, expert-model rendezvous): the rpc port and the next two."""
+    host, port = par.data_parallel_address, par.data_parallel_rpc_port
+    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", f"tcp://{host}:{port + 2}"
+
+
+@dataclass
+class _Call:
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: str | None = None
+
+
+class UtilityCalls:
+    """Calls of EngineCore methods waiting for their answers (UtilityResult), by call id."""
+
+    def __init__(self):
+        self._waiting: dict[int, _Call] = {}
+        self._ids = itertools.count()
+
+    def call(self, send, method: str, args: tuple, timeout: float):
+        call_id, waiter = next(self._ids), _Call()
+        self._waiting[call_id] = waiter
+        try:
+            send((call_id, method, list(args)))
+            if not waiter.done.wait(timeout):
+                raise TimeoutError(f"the engine core did not answer {method} in {timeout} s")
+        finally:
+            self._waiting.pop(call_id, None)
+        if waiter.error is not None:
+            raise RuntimeError(waiter.error)
+        return waiter.result
+
+    def resolve(self, utility) -> None:
+        waiter = self._waiting.get(utility.call_id)
+        if waiter is not None:
+            waiter.error = utility.error
+            if utility.error is None:
+                waiter.result = unpack_result(utility.result)
+            waiter.done.set()
+
+    def fail_all(self, reason: str) -> None:
+        for waiter in list(self._waiting.values()):
+            waiter.error = waiter.error or reason
+            waiter.done.set()
+
+
+class MPClient:
+    def __init__(self, config: EngineConfig, on_outputs, on_dead):
+        import zmq
+        par = config.parallel
+        self.num_cores = par.data_parallel_size
+        self.on_outputs, self.on_dead = on_outputs, on_dead
+        self.ctx = zmq.Context()
+        self.router, self.pull = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.PULL)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        addresses = self._bind(par)
+        self._send_lock = threading.Lock()
+        self._calls = UtilityCalls()
+        self.dead: dict[int, str] = {}
+        self.procs: dict[int, object] = {}
+        self._closing = False
+        self.last_heard = [time.monotonic()] * self.num_cores
+        try:
+            self._start_local_cores(config, addresses)
+            self.infos = self._handshake(par.distributed_timeout_s)
+        except BaseException:
+            self._stop_processes(timeout=5)
+            self._close_sockets()
+            raise
+        self._reader = threading.Thread(target=self._read_loop, name="longserve-client", daemon=True)
+        self._reader.start()
+        _live.add(self)
+
+    # ---- start-up -----------------------------------------------------------------------
+    def _bind(self, par) -> CoreAddresses:
+        if par.data_parallel_rpc_port:  # fixed ports: cores of other hosts connect to them
+            cmd, out, dist_init = dp_addresses(par)
+            self.router.bind(f"tcp://*:{par.data_parallel_rpc_port}")
+            self.pull.bind(f"tcp://*:{par.data_parallel_rpc_port + 1}")
+            return CoreAddresses(cmd, out, dist_init)
+        host = "127.0.0.1"
+        cmd_port = self.router.bind_to_random_port(f"tcp://{host}")
+        out_port = self.pull.bind_to_random_port(f"tcp://{host}")
+        from longserve.engine.executor import free_port
+        return CoreAddresses(f"tcp://{host}:{cmd_port}", f"tcp://{host}:{out_port}",
+                             f"tcp://{host}:{free_port()}")
+
+    def _start_local_cores(self, config: EngineConfig, addresses: CoreAddresses) -> None:
+        """One process per core of this host: `python -m longserve.engine`, its
+        arguments pickled on stdin (no re-import of the caller's script, unlike spawn)."""
+        par = config.parallel
+        local = par.data_parallel_size if par.data_parallel_size_local is None \
+            else par.data_parallel_size_local
+        for i, d in enumerate(range(par.data_parallel_start_rank, par.data_parallel_start_rank + local)):
+            self.procs[d] = start_core_process(core_config(config, d), d, addresses, i)
+
+    def _handshake(self, timeout_s: float) -> list[dict]:
+        """Wait for every core's `ready` (what it holds), failing fast if one fails or dies."""
+        import zmq
+        infos: dict[int, dict] = {}
+        deadline = time.monotonic() + max(timeout_s, START_TIMEOUT_S)
+        while len(infos) < self.num_cores:
+            if self.router.poll(100, zmq.POLLIN):
+                identity, kind, payload = self.router.recv_multipart()
+                index = int.from_bytes(identity, "big")
+                if kind == b"failed":
+                    raise RuntimeError(f"engine core {index} failed to start: "
+                                       f"{decode_outputs_any(payload)}")
+                infos[index] = decode_outputs_any(payload)
+            for d, p in self.procs.items():
+                if p.poll() is not None and d not in infos:
+                    raise RuntimeError(f"engine core {d} died while starting (exit code {p.returncode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine cores {sorted(set(range(self.num_cores)) - set(infos))} "
+                                   "did not start in time")
+        return [infos[d] for d in range(self.num_cores)]
+
+    # ---- commands ---------------------------------------------------------------------
+    def send(self, core: int, kind: bytes, payload) -> None:
+        import zmq
+        data = encode(payload)
+        with self._send_lock:
+            try:
+                self.router.send_multipart([core.to_bytes(2, "big"), kind, data])
+            except zmq.ZMQError as e:  # a core gone (ROUTER_MANDATORY) or the client closed
+                raise RuntimeError(f"engine core {core} cannot be reached: {e}") from None
+
+    def add_request(self, core: int, request) -> None:
+        self.send(core, ADD, request)
+
+    def abort(self, core: int, request_ids: list[str]) -> None:
+        if core not in self.dead:
+            self.send(core, ABORT, request_ids)
+
+    def start_wave(self, wave: int) -> None:
+        for core in range(self.num_cores):
+            if core not in self.dead:
+                self.send(core, WAVE, wave)
+
+    def call(self, core: int, method: str, *args, timeout: float = 60.0):
+        """Run EngineCore.<method>(*args) in core `core` and return its result."""
+        if core in self.dead:
+            raise RuntimeError(self.dead[core])
+        return self._calls.call(lambda p: self.send(core, UTILITY, p), method, args, timeout)
+
+    # ---- the reader thread ------------------------------------------------------------
+    def _read_loop(self) -> None:
+        import zmq
+        try:
+            while not self._closing:
+                if self.pull.poll(100, zmq.POLLIN):
+                    self._handle(decode_outputs(self.pull.recv()))
+                self._check_cores()
+        except zmq.ZMQError:
+            if not self._closing:
+                raise
+
+    def _handle(self, msg: EngineCoreOutputs) -> None:
+        self.last_heard[msg.engine_index] = time.monotonic()
+        if msg.utility is not None:
+            self._calls.resolve(msg.utility)
+        if msg.failed is not None:
+            self._mark_dead(msg.engine_index, f"engine core {msg.engine_index} failed: {msg.failed}")
+            return
+        self.on_outputs(msg)
+
+    def _check_cores(self) -> None:
+        now = time.monotonic()
+        for d in range(self.num_cores):
+            if d in self.dead:
+                continue
+            p = self.procs.get(d)
+            if p is not None and p.poll() is not None:
+                self._mark_dead(d, f"engine core {d} died (exit code {p.returncode})")
+            elif p is None and now - self.last_heard[d] > HEARTBEAT_TIMEOUT_S:
+                self._mark_dead(d, f"engine core {d} has not been heard from for "
+                                   f"{HEARTBEAT_TIMEOUT_S:g} s")
+
+    def _mark_dead(self, core: int, reason: str) -> None:
+        if core in self.dead or self._closing:
+            return
+        self.dead[core] = reason
+        self._calls.fail_all(reason)  # a call waits on one core: most likely this one
+        self.on_dead(core, reason)
+
+    # ---- shutting down ----------------------------------------------------------------
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Tell every core to stop (they abort what is left and stop their workers), wait for
+        the local ones, kill any that lingers. Idempotent."""
+        if self._closing:
+            return
+        for core in range(self.num_cores):
+            if core not in self.dead:
+                try:
+                    self.send(core, SHUTDOWN, None)
+                except RuntimeError:
+                    pass
+        self._closing = True
+        self._stop_processes(timeout)
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout=5)
+        self._close_sockets()
+        _live.discard(self)
+
+    def _stop_processes(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+    def _close_sockets(self) -> None:
+        self._closing = True
+        self.router.close()
+        self.pull.close()
+        self.ctx.term()
+
+
+def decode_outputs_any(payload: bytes):
+    import msgspec
+    return msgspec.msgpack.decode(payload)
+
+
+class InprocClient:
+    """One engine core in this process: its loop on a thread, outputs handled on that thread."""
+
+    def __init__(self, config: EngineConfig, on_outputs, on_dead):
+        from longserve.engine.core import EngineCore
+        self.num_cores, self.on_outputs, self.on_dead = 1, on_outputs, on_dead
+        self.dead: dict[int, str] = {}
+        self.core = EngineCore(config)
+        self.infos = [self.core.info()]
+        self.inputs: queue.Queue = queue.Queue()
+        self.proc = EngineCoreProc(self.core, self.inputs, self._emit)
+        self._calls = UtilityCalls()
+        self._thread = threading.Thread(target=self._run, name="longserve-engine-core", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.proc.run()
+        except BaseException as e:
+            logger.exception("engine core failed")
+            self.dead[0] = f"engine core 0 failed: {type(e).__name__}: {e}"
+            self._calls.fail_all(self.dead[0])
+            self.on_dead(0, self.dead[0])
+
+    def _emit(self, msg: EngineCoreOutputs) -> None:
+        if msg.utility is not None:
+            self._calls.resolve(msg.utility)
+        else:
+            self.on_outputs(msg)
+
+    def add_request(self, core: int, request) -> None:
+        self.inputs.put((ADD, request))
+
+    def abort(self, core: int, request_ids: list[str]) -> None:
+        self.inputs.put((ABORT, request_ids))
+
+    def start_wave(self, wave: int) -> None:
+        pass  # one core: no lockstep
+
+    def call(self, core: int, method: str, *args, timeout: float = 60.0):
+        """Run on the core's thread, between steps (a direct call would race the loop)."""
+        if self.dead:
+            raise RuntimeError(self.dead[0])
+        return self._calls.call(lambda p: self.inputs.put((UTILITY, p)), method, args, timeout)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self.inputs.put((SHUTDOWN, None))
+            self._thread.join(timeout)
+        self.core.shutdown()

@@ -1,0 +1,204 @@
+"""The engine-core process: one per DP rank, running the step loop with nothing else on its GIL.
+
+    front end (LLM / API server)                      engine-core process (this file)
+    ROUTER  --add / abort / utility / wave-->  DEALER -> input thread -> queue -+
+                                                                                 v
+    PULL   <--EngineCoreOutputs (one per step)-- PUSH <- output thread <- EngineCoreProc.run
+                                                                          (schedule, launch,
+                                                                           apply: EngineCore)
+
+Threads keep the sockets off the loop: the input thread decodes commands into a queue, the
+output thread encodes and sends (and sends the load as a heartbeat every second while the
+loop is quiet or busy with a long step). The loop applies commands between steps and blocks
+on the queue when idle.
+
+Expert models with DP > 1 step in lockstep (vLLM's waves): while any core has work every
+core runs a forward each iteration (a dummy one when it has nothing planned), and after each
+iteration the cores all-reduce whether any still has work; when none has, all stop together
+and wait for the next wave. A core that gets a request while idle starts the wave at once and
+says so; the front end then tells the others (`WAVE`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import traceback
+from dataclasses import dataclass
+
+from longserve.config import EngineConfig
+from longserve.engine.core import EngineCore
+from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
+                                       UtilityResult, decode_command, encode, pack_result)
+
+logger = logging.getLogger("longserve.engine")
+HEARTBEAT_S = 1.0
+
+
+@dataclass
+class CoreAddresses:
+    input: str  # the front end's ROUTER (each core connects a DEALER named by its DP rank)
+    output: str  # the front end's PULL (each core connects a PUSH)
+    dist_init: str | None = None  # the rendezvous of an expert model's DP world
+
+
+class EngineCoreProc:
+    """The busy loop over an EngineCore: commands from `inputs`, outputs to `emit`."""
+
+    def __init__(self, core: EngineCore, inputs: queue.Queue, emit):
+        self.core, self.inputs, self.emit = core, inputs, emit
+        self.index = core.engine_index
+        self.lockstep = core.config.dp_lockstep
+        self.wave, self.wave_running = 0, False
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            self._handle_inputs(block=not self._busy())
+            if self.stopping or not self._busy():
+                continue
+            outputs = self.core.step(lockstep=self.lockstep)
+            if self.lockstep:
+                outputs += self._end_of_wave_check()
+            self.emit(EngineCoreOutputs(self.index, outputs, self.core.scheduler_stats()))
+
+    def _busy(self) -> bool:
+        return self.wave_running if self.lockstep else self.core.has_work()
+
+    def _handle_inputs(self, block: bool) -> None:
+        try:
+            # a bounded wait: a signal (SIGTERM) gets the main thread back at once
+            kind, payload = self.inputs.get(timeout=1.0) if block else self.inputs.get_nowait()
+            while True:
+                self._apply(kind, payload)
+                kind, payload = self.inputs.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _apply(self, kind: bytes, payload) -> None:
+        if kind == ADD:
+            self.core.add_request(payload)
+            if self.lockstep and not self.wave_running:  # the others must join this wave
+                self.wave_running = True
+                self.emit(EngineCoreOutputs(self.index, wave_started=self.wave))
+        elif kind == ABORT:
+            self.core.abort_requests(payload)
+        elif kind == UTILITY:
+            self.emit(EngineCoreOutputs(self.index, utility=self._call(*payload)))
+        elif kind == WAVE:
+            if payload >= self.wave:  # an older wave already ended here
+                self.wave, self.wave_running = payload, True
+        elif kind == SHUTDOWN:
+            self.stopping = True
+
+    def _call(self, call_id: int, method: str, args: list) -> UtilityResult:
+        if method.startswith("_") or not callable(getattr(self.core, method, None)):
+            return UtilityResult(call_id, error=f"the engine core has no method {method!r}")
+        try:
+            return UtilityResult(call_id, pack_result(getattr(self.core, method)(*args)))
+        except Exception as e:
+            return UtilityResult(call_id, error=f"{type(e).__name__}: {e}")
+
+    def _end_of_wave_check(self) -> list:
+        """After every lockstep iteration: does any DP rank still have work? If not, all stop."""
+        if self.core.dp_any_unfinished():
+            return []
+        outputs = self.core.drain()  # this iteration's dummy step
+        self.wave_running, self.wave = False, self.wave + 1
+        if self.index == 0:
+            self.emit(EngineCoreOutputs(self.index, wave_finished=self.wave - 1))
+        return outputs
+
+
+# ---- the process --------------------------------------------------------------------------
+def run_engine_core(config: EngineConfig, engine_index: int, addresses: CoreAddresses,
+                    device_ids: list[int] | None = None) -> None:
+    """Entry of an engine-core process (spawned by the front end, or by a headless host)."""
+    import zmq
+
+    from longserve.worker.worker import exit_with_parent
+    if device_ids is not None:  # before anything touches CUDA: this core's GPUs only
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    exit_with_parent()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, engine_index.to_bytes(2, "big"))
+    dealer.setsockopt(zmq.LINGER, 2000)
+    dealer.connect(addresses.input)
+    outputs: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_send_outputs,
+                              args=(ctx, addresses.output, outputs, engine_index),
+                              name="longserve-core-output", daemon=True)
+    sender.start()
+    try:
+        _serve(config, engine_index, addresses, dealer, outputs)
+    finally:
+        outputs.put(None)  # flush what is queued, then stop
+        sender.join(timeout=5)
+        ctx.term()  # the input thread's recv fails with ETERM and closes the DEALER
+
+
+def _serve(config, engine_index: int, addresses: CoreAddresses, dealer, outputs: queue.Queue) -> None:
+    try:
+        core = EngineCore(config, engine_index, addresses.dist_init)
+    except BaseException as e:
+        dealer.send_multipart([b"failed", encode(f"{type(e).__name__}: {e}")])
+        traceback.print_exc()
+        raise SystemExit(1)
+    dealer.send_multipart([b"ready", encode(core.info())])  # then only the input thread uses it
+    inputs: queue.Queue = queue.Queue()
+    threading.Thread(target=_receive_inputs, args=(dealer, inputs), name="longserve-core-input",
+                     daemon=True).start()
+    proc = EngineCoreProc(core, inputs, outputs.put)
+    try:
+        proc.run()
+    except BaseException as e:  # a fatal error inside a step: say why, then go
+        if not isinstance(e, SystemExit):
+            traceback.print_exc()
+        outputs.put(EngineCoreOutputs(engine_index, failed=f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        core.shutdown()
+
+
+def _receive_inputs(dealer, inputs: queue.Queue) -> None:
+    import zmq
+    try:
+        while True:
+            kind, payload = dealer.recv_multipart()
+            inputs.put((kind, decode_command(kind, payload)))
+            if kind == SHUTDOWN:
+                return
+    except zmq.ZMQError:  # the context is ending: the process is going down
+        return
+    finally:
+        dealer.close()
+
+
+def _send_outputs(ctx, address: str, outputs: queue.Queue, engine_index: int) -> None:
+    import zmq
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(address)
+    stats = None
+    try:
+        while True:
+            try:
+                item = outputs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:  # quiet (or a long step): the front end still hears from us
+                item = EngineCoreOutputs(engine_index, stats=stats)
+            if item is None:
+                return
+            stats = item.stats or stats
+            push.send(encode(item), copy=False)
+    finally:
+        push.close()
+
+
+def _raise_system_exit(signum, frame):
+    raise SystemExit(128 + signum)
+

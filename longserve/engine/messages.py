@@ -1,0 +1,106 @@
+"""What the front end and the engine-core processes say to each other (msgspec / msgpack).
+
+Front end -> core, on a DEALER socket per core (frames: kind, payload):
+  ADD      EngineCoreRequest, already validated and tokenized at the door
+  ABORT    list of request ids
+  UTILITY  (call id, method name, args): a method of EngineCore, answered in UtilityResult
+  WAVE     a wave number: expert models' DP ranks step together while any has work
+  SHUTDOWN nothing
+Core -> front end, on a PUSH socket: one EngineCoreOutputs per step (every request that
+gained tokens or finished), also sent alone as a heartbeat, a utility answer or a wave event.
+"""
+from __future__ import annotations
+
+import pickle
+
+import msgspec
+
+from longserve.sampling_params import SamplingParams
+
+ADD, ABORT, UTILITY, WAVE, SHUTDOWN = b"add", b"abort", b"utility", b"wave", b"shutdown"
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    data_parallel_rank: int | None = None
+    kv_transfer_params: dict | None = None
+    prompt: str | None = None  # the text, when the prompt came as text (front end only)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in a step. `prompt_logprobs` come with the first token."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None  # positions 1.. (the first is None)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    kv_transfer_params: dict | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """A core's load and pool, for the balancer and /metrics."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 1
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    result: bytes = b""  # pickled
+    error: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    engine_index: int
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+    utility: UtilityResult | None = None
+    wave_started: int | None = None  # this core began wave N (the others must join)
+    wave_finished: int | None = None  # every core ended wave N together (DP rank 0 says so)
+    failed: str | None = None  # the core is going down: why
+    ready: dict | None = None  # the start-up handshake: what the core holds (num_blocks, ...)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode
+_decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
+_decode_ids = msgspec.msgpack.Decoder(list[str]).decode
+_decode_any = msgspec.msgpack.Decoder().decode
+
+encode = _encoder.encode
+decode_outputs = _decode_outputs
+
+
+def decode_command(kind: bytes, payload: bytes):
+    if kind == ADD:
+        return _decode_request(payload)
+    if kind == ABORT:
+        return _decode_ids(payload)
+    return _decode_any(payload)
+
+
+def pack_result(value) -> bytes:
+    return pickle.dumps(value, protocol=5)
+
+
+def unpack_result(data: bytes):
+    return pickle.loads(data)
