@@ -57,7 +57,7 @@ def is_decode_only(plan) -> bool:
 
 def record_steps(llm) -> list:
     """Wrap the executor: (decode-only?, tokens, seconds) per step."""
-    ex, log = llm.engine.executor, []
+    ex, log = llm.engine.core.executor, []
     inner = ex.execute
 
     def timed(plan):

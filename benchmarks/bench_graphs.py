@@ -48,7 +48,7 @@ def build(args, mode):
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.budget)
-    pw = llm.engine.executor.driver.runner.piecewise
+    pw = llm.engine.core.executor.driver.runner.piecewise
     capture = pw.capture_s if pw is not None and pw.use_graphs else None
     print(f"engine ({mode}) ready in {time.perf_counter() - start:.1f} s"
           + ("" if pw is None else f"; piecewise buckets {pw.buckets[0]}..{pw.buckets[-1]} "
@@ -71,7 +71,7 @@ def compare_steps(llm, args):
     """Run every step with prefill both ways (teacher-forced: the same inputs and cache):
     a 256 x 1024 batch (the offline run's mixed steps), then a sweep of mixed steps of
     248 decodes + P prefill tokens."""
-    runner = llm.engine.executor.driver.runner
+    runner = llm.engine.core.executor.driver.runner
     pw, inner, rows = runner.piecewise, runner.run_model, []
     if pw is None:
         print("no piecewise runner for this model / layout: nothing to compare")
@@ -139,7 +139,7 @@ def full_run(llm, args):
     llm.generate(random_prompts(llm, n, inp, 7), SamplingParams(max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # warm-up on other prompts: no prefix-cache hits below
     steps = spy_steps(llm)  # per engine.step(): with async scheduling, the step period
-    pw = llm.engine.executor.driver.runner.piecewise
+    pw = llm.engine.core.executor.driver.runner.piecewise
     before = 0 if pw is None else pw.num_steps
     sync(args.device)
     start = time.perf_counter()

@@ -139,15 +139,13 @@ def producer_side(args, conn):
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:64]}], one, use_tqdm=False)
     while True:
-        if conn.poll(0.0005):
+        if conn.poll(0.05):
             msg = conn.recv()
             if msg == "stop":
                 break
             t0 = time.perf_counter()
             out = llm.generate([prompts[msg]], one, use_tqdm=False)[0]
             conn.send((out.kv_transfer_params, time.perf_counter() - t0))
-        elif llm.engine.has_kv_transfers():
-            llm.engine.step()
     llm.shutdown()
 
 
@@ -186,7 +184,7 @@ def consumer_side(args, conn):
     greedy = dict(temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:64]}],
                  SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-    worker = llm.engine.executor.driver.runner.kv_connector  # rank 0's connector (in this process)
+    worker = llm.engine.core.executor.driver.runner.kv_connector  # rank 0's connector (in this process)
     steps, rows = record_steps(llm.engine), []
     for i in range(args.requests):
         conn.send(i)
@@ -199,7 +197,7 @@ def consumer_side(args, conn):
         assert timing["ok"], "the pull failed (the prompt was recomputed): see the log"
         row = handover_parts(out, timing, steps)
         rows.append(dict(row, groups_created=worker.groups.num_created - created))
-    conn.send((rows, llm.engine.stats()))
+    conn.send((rows, llm.engine.core_stats()))
     llm.shutdown()
 
 
@@ -301,13 +299,11 @@ def itl_producer(args, conn):
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     conn.send("ready")
     while True:
-        if conn.poll(0.0005):
+        if conn.poll(0.05):
             k = conn.recv()
             if k == "stop":
                 break
             conn.send(llm.generate([prompts[k]], one, use_tqdm=False)[0].kv_transfer_params)
-        elif llm.engine.has_kv_transfers():
-            llm.engine.step()
     llm.shutdown()
 
 

@@ -154,7 +154,7 @@ def record_steps(llm):
     """Wrap the executor's step launch (`execute_async`, which `execute` also goes through;
     `execute` where there is none): one StepRecord per step that runs the model (plans with
     requests); the wrapper is removed on exit."""
-    ex, log = llm.engine.executor, []
+    ex, log = llm.engine.core.executor, []
     name = "execute_async" if hasattr(ex, "execute_async") else "execute"
     had, inner = name in vars(ex), getattr(ex, name)
 

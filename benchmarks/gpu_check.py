@@ -27,7 +27,7 @@ def run(model, ps, max_tokens, logprobs=None, **kw):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     outs = llm.generate(ps, params, use_tqdm=False)
     dt = time.perf_counter() - t
-    whole = all(kv.num_free_blocks == kv.num_blocks for kv in llm.engine.kv_managers)
+    whole = all(s["num_free_blocks"] == s["num_blocks"] for s in llm.engine.pool_states())
     llm.shutdown()
     del llm
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

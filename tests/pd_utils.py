@@ -27,8 +27,6 @@ def _producer_main(conn, kw):
                 if cmd == "stop":
                     break
                 conn.send(_handle(llm, cmd, arg))
-            elif llm.engine.has_kv_transfers():
-                llm.engine.step()  # serve pulls, let leases run out
     finally:
         llm.shutdown()
 
@@ -38,10 +36,10 @@ def _handle(llm, cmd, arg):
         out = llm.generate([arg], greedy(1), use_tqdm=False)[0]
         return out.kv_transfer_params
     if cmd == "pool":  # (free blocks, all blocks, held requests)
-        kv = llm.engine.kv
-        return kv.num_free_blocks, kv.num_blocks, len(llm.engine.scheduler.held)
+        kv = llm.engine.core.kv
+        return kv.num_free_blocks, kv.num_blocks, len(llm.engine.core.scheduler.held)
     if cmd == "groups":  # pair groups rank 0 built so far
-        return llm.engine.executor.driver.runner.kv_connector.groups.num_created
+        return llm.engine.core.executor.driver.runner.kv_connector.groups.num_created
     if cmd == "generate":  # as a consumer: (prompt, kv_transfer_params, max_tokens)
         prompt, params, n = arg
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,

@@ -103,7 +103,7 @@ def test_abort_while_a_step_is_in_flight(pair, pool_whole):
 @pytest.mark.timeout(120)
 def test_next_step_is_launched_before_the_last_results_are_read(pair, monkeypatch):
     _, asyn = pair
-    events, ex = [], asyn.engine.executor
+    events, ex = [], asyn.engine.core.executor
     launch, result = ex.execute_async, executor_mod.PendingStep.result
 
     def spy_launch(out):
@@ -127,7 +127,7 @@ def test_next_step_is_launched_before_the_last_results_are_read(pair, monkeypatc
 @pytest.mark.timeout(120)
 def test_never_plans_past_max_tokens(pair, monkeypatch):
     _, asyn = pair
-    sched, samples = asyn.engine.scheduler, {}
+    sched, samples = asyn.engine.core.scheduler, {}
     schedule = sched.schedule
 
     def spy():

@@ -113,7 +113,7 @@ def test_nano_workload_end_to_end_on_cpu(mode):
 def test_weight_params_count_every_parameter_of_the_model(model):
     llm = bench.LLM(f"builtin:{model}", load_format="dummy", device="cpu", max_model_len=64)
     try:
-        real = sum(p.numel() for p in llm.engine.executor.driver.runner.model.parameters())
+        real = sum(p.numel() for p in llm.engine.core.executor.driver.runner.model.parameters())
         assert bench.weight_params(llm.config.model) == real
     finally:
         llm.shutdown()

@@ -1,6 +1,7 @@
-"""Data parallelism: dp=2 gives one rank's tokens (dense and expert models, with expert
-parallelism, with TP, with dual-batch overlap); an idle DP rank does not hang the other;
-a dead DP worker fails the engine; every DP rank's KV pool is whole afterwards."""
+"""Data parallelism (one engine-core process per DP rank): dp=2 gives one rank's tokens (dense
+and expert models, with expert parallelism, with TP, with dual-batch overlap); an idle DP rank
+does not hang the other; the balancer spreads and pins; a dead core of lockstep (expert) DP
+fails every request; every DP rank's KV pool is whole afterwards."""
 import os
 import signal
 import time
@@ -8,6 +9,7 @@ import time
 import pytest
 import torch
 
+from conftest import assert_pool_whole
 from hf_models import VOCAB, make_hf_model
 from longserve import LLM, SamplingParams
 
@@ -30,20 +32,13 @@ def prompts(seed=3):
             for n in LENGTHS]
 
 
-def assert_pools_whole(llm):
-    for kv in llm.engine.kv_managers:
-        assert kv.num_free_blocks == kv.num_blocks and all(c == 0 for c in kv.ref_cnt)
-    assert not llm.engine.scheduler.has_unfinished()
-
-
 def run(path, max_tokens=5, generate_kw=None, **kw):
     llm = LLM(path, device="cpu", distributed_timeout_s=60, **kw)
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=VOCAB, ignore_eos=True)
         outs = llm.generate(prompts(), params, use_tqdm=False, **(generate_kw or {}))
-        assert_pools_whole(llm)
-        runner = llm.engine.executor.driver.runner
-        return outs, runner.num_dbo_steps
+        assert_pool_whole(llm)
+        return outs, llm.engine.core_stats()["num_dbo_steps"]
     finally:
         llm.shutdown()
 
@@ -96,36 +91,42 @@ def test_idle_dp_rank_does_not_hang(models):
     assert_same(outs, ref)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_balancer_spreads_and_pins(models):
     llm = LLM(models["qwen3"], device="cpu", data_parallel_size=2)
     try:
-        sched = llm.engine.scheduler
-        reqs = [llm.engine.make_request(p, SamplingParams(max_tokens=2)) for p in prompts()]
-        for r in reqs:
-            llm.engine.add_request(r)
-        assert [len(s.waiting) for s in sched.schedulers] == [3, 3]
+        computed = lambda: [llm.engine.call("stats", core=d)["num_prompt_tokens_computed"]  # noqa: E731
+                            for d in range(2)]
+        llm.generate(prompts(), SamplingParams(max_tokens=2), use_tqdm=False)
+        spread = computed()
+        assert all(n > 0 for n in spread)  # both cores took requests
+        llm.generate(prompts(seed=4), SamplingParams(max_tokens=2), use_tqdm=False,  # no prefix hit
+                     data_parallel_rank=1)
+        pinned = computed()
+        assert pinned[0] == spread[0] and pinned[1] == spread[1] + sum(LENGTHS)
         with pytest.raises(ValueError, match="data_parallel_rank must be an integer in \\[0, 2\\)"):
             llm.generate(prompts()[:1], data_parallel_rank=2)
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-        assert_pools_whole(llm)
+        assert_pool_whole(llm)
     finally:
         llm.shutdown()
 
 
 @pytest.mark.timeout(90)
-def test_killed_worker_on_one_dp_rank_fails_the_engine(models):
+def test_killed_core_of_expert_dp_fails_every_request(models):
+    """Expert models' cores step together: one killed, every request fails within seconds and
+    the engine refuses more; shutdown leaves no process behind."""
     llm = LLM(models["qwen3_moe"], device="cpu", data_parallel_size=2, enable_expert_parallel=True,
               distributed_timeout_s=30)
-    procs = list(llm.engine.executor.procs)
-    os.kill(procs[0].pid, signal.SIGKILL)  # rank 1 = DP rank 1
+    cores = list(llm.engine.client.procs.values())
+    os.kill(cores[1].pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="worker rank 1 died"):
+    with pytest.raises(RuntimeError, match="engine core 1 died"):
         llm.generate(prompts(), SamplingParams(max_tokens=20), use_tqdm=False)
     assert time.monotonic() - start < 30
+    with pytest.raises(RuntimeError, match="engine core 1 died"):
+        llm.generate(prompts(), SamplingParams(max_tokens=20), use_tqdm=False)
     llm.shutdown()
-    assert all(not p.is_alive() for p in procs)
+    assert all(p.poll() is not None for p in cores)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -147,10 +148,8 @@ def test_bad_layouts_fail_at_start(kwargs, match):
 
 from hypothesis import given, strategies as st  # noqa: E402
 
-from longserve.config import SchedulerConfig  # noqa: E402
-from longserve.engine.dp_scheduler import DPScheduler  # noqa: E402
-from longserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from longserve.engine.request import Request  # noqa: E402
+from longserve.engine.dp_coordinator import DPCoordinator  # noqa: E402
+from longserve.engine.messages import SchedulerStats  # noqa: E402
 from longserve.worker.dp_step import balanced_split  # noqa: E402
 
 
@@ -163,48 +162,34 @@ def test_balanced_split_minimises_the_larger_micro_batch(tokens):
     assert larger(k) == min(larger(j) for j in range(1, len(tokens)))
 
 
-@given(st.lists(st.one_of(st.none(), st.integers(0, 2)), min_size=1, max_size=30))
-def test_balancer_picks_the_least_loaded_rank_or_the_pinned_one(pins):
-    sched = DPScheduler(SchedulerConfig(), [KVCacheManager(8, 16) for _ in range(3)], False)
-    for i, pin in enumerate(pins):
-        load = [4 * len(s.waiting) + len(s.running) for s in sched.schedulers]
-        req = Request(str(i), [1, 2], SamplingParams(), data_parallel_rank=pin)
-        sched.add_request(req)
-        chosen = next(d for d, s in enumerate(sched.schedulers) if req in s.waiting)
-        assert chosen == (pin if pin is not None else load.index(min(load)))
-    assert sum(len(s.waiting) for s in sched.schedulers) == len(pins)
+@given(st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 2)), st.integers(0, 3)),
+                min_size=1, max_size=30),
+       st.sets(st.integers(0, 2), max_size=2))
+def test_balancer_picks_the_least_loaded_live_core_or_the_pinned_one(events, dead):
+    """Each request goes to its pinned core, else to the live core with the least
+    4 x waiting + running (waiting counting what was sent since its last report)."""
+    coord = DPCoordinator(3, lockstep=False)
+    coord.dead |= dead
+    for pin, report in events:
+        if report:  # core `report - 1` reports its load (running = 1 for every 2 sent)
+            core = report - 1
+            coord.on_stats(core, SchedulerStats(num_running=coord.sent[core] // 2,
+                                                num_waiting=coord.sent[core] - coord.sent[core] // 2))
+        load = [4 * (s.num_waiting + n) + s.num_running for s, n in zip(coord.stats, coord.sent)]
+        chosen = coord.choose(pin)
+        live = [i for i in range(3) if i not in dead]
+        assert chosen == (pin if pin is not None else min(live, key=lambda i: (load[i], i)))
+        coord.on_send(chosen)
 
 
-@pytest.mark.timeout(240)
-def test_torchrun_with_two_dp_ranks_matches_one_rank():
-    """`torchrun --nproc-per-node 2 ... -dp 2 --enable-expert-parallel`: rank 0 balances and
-    prints, both exit 0, the text of one rank."""
-    import json
-    import subprocess
-    import sys
-
-    cmd = ["-m", "longserve.entrypoints.cli", "generate", "--device", "cpu", "--max-tokens", "6",
-           "--model", "builtin:qwen3-moe-tiny", "--prompt", "Hello there", "--prompt", "Once upon"]
-    one = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          *cmd, "-dp", "2", "--enable-expert-parallel"],
-                         capture_output=True, text=True, timeout=180)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
-    text = lambda out: [json.loads(line)["text"] for line in out.splitlines() if line.startswith("{")]  # noqa: E731
-    assert text(two.stdout) == text(one.stdout) and len(text(one.stdout)) == 2
-
-
-def test_dp_world_larger_than_the_gpus_fails_at_start(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(ValueError, match="data_parallel_size x prefill_context_parallel_size x "
-                                         "tensor_parallel_size\\) needs 4 GPUs; 2 are visible"):
-        LLM("builtin:qwen3-moe-tiny", device="cuda", data_parallel_size=2, tensor_parallel_size=2)
-
-
-def test_merge_outputs_of_dp_ranks():
-    from longserve.worker.dp_step import merge_outputs
-    from longserve.worker.model_runner import ModelRunnerOutput
-    a = ModelRunnerOutput({"0": 5}, {"0": {5: -0.1}})
-    b = ModelRunnerOutput({"1": 7, "2": 9}, {})
-    merged = merge_outputs([a, None, b])
-    assert merged.sampled == {"0": 5, "1": 7, "2": 9} and merged.logprobs == {"0": {5: -0.1}}
+def test_waves_start_once_and_follow_the_cores():
+    coord = DPCoordinator(2, lockstep=True)
+    assert coord.on_send(0) == 0 and coord.on_send(1) is None  # one announcement per wave
+    assert coord.on_wave_started(0) is None  # the wave we announced
+    coord.on_wave_finished(0)
+    assert (coord.wave, coord.wave_running) == (1, False)
+    assert coord.on_wave_started(1) == 1  # a core began wave 1 before we sent anything
+    assert coord.on_send(1) is None
+    coord.on_wave_finished(0)  # stale
+    assert (coord.wave, coord.wave_running) == (1, True)
+    assert coord.on_wave_started(3) == 3 and coord.wave == 3  # it ran ahead of our news

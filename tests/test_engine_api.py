@@ -200,4 +200,4 @@ def test_builtin_models_run_in_each_dtype(name, dtype):
     llm = LLM(f"builtin:{name}", device="cpu", dtype=dtype)
     out = llm.generate(["Once upon a time"], greedy(4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
-    assert next(llm.engine.executor.driver.runner.model.parameters()).dtype == getattr(torch, dtype)
+    assert next(llm.engine.core.executor.driver.runner.model.parameters()).dtype == getattr(torch, dtype)

@@ -241,7 +241,7 @@ def test_chat_rejects_bad_messages(tokenizer_dir, tmp_path):
         llm.chat([])
     with pytest.raises(TypeError, match=r"messages\[0\] must be a dict"):
         llm.chat([["user", "hi"]])
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.output.num_unfinished
 
 
 # ---- bad files ---------------------------------------------------------------------------------

@@ -50,9 +50,9 @@ def test_prefix_cache_hit_gives_same_tokens(hf_model, pool_whole):
     llm = LLM(path, device="cpu", block_size=4)
     ps = prompts()
     first = check_against_hf(llm, model, ps)
-    hits_before = llm.engine.kv.num_cached_tokens_hit
+    hits_before = llm.engine.core.kv.num_cached_tokens_hit
     second = check_against_hf(llm, model, ps)
-    assert llm.engine.kv.num_cached_tokens_hit - hits_before >= sum(len(p) // 4 * 4 - 4 for p in ps)
+    assert llm.engine.core.kv.num_cached_tokens_hit - hits_before >= sum(len(p) // 4 * 4 - 4 for p in ps)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
     pool_whole(llm)
 

@@ -13,8 +13,8 @@ def generate(**kw):
         ps = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (7, 30, 45)]
         outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                logprobs=3), use_tqdm=False)
-        runner = llm.engine.executor.driver.runner
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        runner = llm.engine.core.executor.driver.runner
+        assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
         return outs, runner
     finally:
         llm.shutdown()

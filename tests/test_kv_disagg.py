@@ -60,7 +60,7 @@ def test_layouts_give_one_instance_tokens(case, reference, pool_whole):
         with consumer(**c_kw) as cons:
             outs = cons.generate(PROMPTS, [with_params(p) for p in params], use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outs] == reference
-            stats = cons.engine.stats()
+            stats = cons.engine.core_stats()
             assert stats["kv_connector_num_loaded_tokens"] == sum(len(p["prompt_token_ids"]) - 1 for p in PROMPTS)
             assert stats["num_prompt_tokens_computed"] == len(PROMPTS)  # the last token of each
             pool_whole(cons)
@@ -79,12 +79,12 @@ def test_consumer_prefix_hit_pulls_less_and_full_hit_releases(reference, pool_wh
             p = prod.call("prefill", PROMPTS[1])
             out = cons.generate([PROMPTS[1]], with_params(p), use_tqdm=False)[0]
             assert out.outputs[0].token_ids == reference[1]
-            assert cons.engine.stats()["kv_connector_num_loaded_tokens"] == 69 - 64
+            assert cons.engine.core_stats()["kv_connector_num_loaded_tokens"] == 69 - 64
             wait_pool_whole(prod, 5)
             short = {"prompt_token_ids": PROMPTS[1]["prompt_token_ids"][:33]}  # 32 cached tokens
             p = prod.call("prefill", short)
             out = cons.generate([short], with_params(p, 2), use_tqdm=False)[0]
-            assert cons.engine.stats()["kv_connector_num_loaded_tokens"] == 5  # nothing pulled
+            assert cons.engine.core_stats()["kv_connector_num_loaded_tokens"] == 5  # nothing pulled
             assert len(out.outputs[0].token_ids) == 2
             wait_pool_whole(prod, 5)  # a full hit still releases the producer's blocks
             pool_whole(cons)
@@ -106,7 +106,7 @@ def test_pull_right_after_prefill_with_an_empty_shard(pool_whole):
             p = prod.call("prefill", prompt)
             out = cons.generate([prompt], with_params(p, 4), use_tqdm=False)[0]
             assert out.outputs[0].token_ids == want
-            stats = cons.engine.stats()
+            stats = cons.engine.core_stats()
             assert stats["kv_connector_num_loaded_tokens"] == 1
             assert stats["num_prompt_tokens_computed"] == 34 + 1  # nothing recomputed
             pool_whole(cons)
@@ -122,20 +122,20 @@ def test_later_pulls_reuse_the_pair_group(reference, pool_whole):
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
     try:
         with consumer() as cons:
-            groups = cons.engine.executor.driver.runner.kv_connector.groups
+            groups = cons.engine.core.executor.driver.runner.kv_connector.groups
             for prompt, want in zip(PROMPTS, reference):
                 p = prod.call("prefill", prompt)
                 out = cons.generate([prompt], with_params(p), use_tqdm=False)[0]
                 assert out.outputs[0].token_ids == want
                 assert (groups.num_created, prod.call("groups")) == (1, 1)
-            assert cons.engine.stats()["num_prompt_tokens_computed"] == len(PROMPTS)
+            assert cons.engine.core_stats()["num_prompt_tokens_computed"] == len(PROMPTS)
             pool_whole(cons)
         wait_pool_whole(prod, 5)
         # kv_connect: a consumer builds the pair's group at its start; its pull builds none
         addr = f"{p['remote_host']}:{p['remote_port']}"
         p = prod.call("prefill", PROMPTS[0])
         with consumer(kvt={"kv_connect": [addr]}) as cons:
-            groups = cons.engine.executor.driver.runner.kv_connector.groups
+            groups = cons.engine.core.executor.driver.runner.kv_connector.groups
             deadline = time.monotonic() + 10
             while groups.num_created == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -143,7 +143,7 @@ def test_later_pulls_reuse_the_pair_group(reference, pool_whole):
             out = cons.generate([PROMPTS[0]], with_params(p), use_tqdm=False)[0]
             assert out.outputs[0].token_ids == reference[0]
             assert (groups.num_created, prod.call("groups")) == (1, 2)
-            assert cons.engine.stats()["num_prompt_tokens_computed"] == 1
+            assert cons.engine.core_stats()["num_prompt_tokens_computed"] == 1
             pool_whole(cons)
         wait_pool_whole(prod, 5)
     finally:
@@ -182,7 +182,7 @@ def test_lease_ends_without_consumer_and_late_pull_recomputes(reference, pool_wh
         with consumer() as cons:
             out = cons.generate([PROMPTS[0]], with_params(p), use_tqdm=False)[0]
             assert out.outputs[0].token_ids == reference[0] and out.error is None
-            assert cons.engine.stats()["num_prompt_tokens_computed"] == 37  # recomputed
+            assert cons.engine.core_stats()["num_prompt_tokens_computed"] == 37  # recomputed
             pool_whole(cons)
         with consumer(kvt={"kv_load_failure_policy": "fail"}) as cons:
             out = cons.generate([PROMPTS[0]], with_params(p), use_tqdm=False)[0]
@@ -204,7 +204,7 @@ def test_producer_dies_or_connection_drops_during_transfer(fault, reference, poo
         with consumer(kvt={"kv_transfer_timeout_s": 3}) as cons:
             out = cons.generate([PROMPTS[1]], with_params(p), use_tqdm=False)[0]
             assert out.outputs[0].token_ids == reference[1]  # recomputed, never partial KV
-            assert cons.engine.stats()["num_prompt_tokens_computed"] == 70
+            assert cons.engine.core_stats()["num_prompt_tokens_computed"] == 70
             pool_whole(cons)
         if fault == "die":
             prod.proc.join(10)

@@ -30,10 +30,10 @@ def test_offload_gives_same_tokens_with_fewer_recomputed(pool_whole):
     kw = dict(device="cpu", max_model_len=256, block_size=4, num_gpu_blocks=24)
     with LLM("builtin:llama-tiny", **kw) as plain:
         want = run_rounds(plain, prompts)
-        plain_stats = plain.engine.stats()
+        plain_stats = plain.engine.core_stats()
     with LLM("builtin:llama-tiny", kv_offload_gb=0.002, **kw) as off:  # ~1000 host blocks
         got = run_rounds(off, prompts)
-        stats = off.engine.stats()
+        stats = off.engine.core_stats()
         pool_whole(off)
     assert got == want
     assert stats["kv_connector_num_saved_blocks"] > 0 and stats["kv_connector_num_loaded_tokens"] > 0
@@ -53,12 +53,12 @@ def test_small_host_pool_and_batches_keep_tokens(pool_whole):
     bpb = 2048  # bytes of one llama-tiny block of 4 tokens (checked below)
     with LLM("builtin:llama-tiny", device="cpu", max_model_len=256, block_size=4, num_gpu_blocks=28,
              kv_offload_gb=20 * bpb / (1 << 30)) as off:
-        assert off.engine.executor.driver.runner.kv_bytes_per_block() == bpb
+        assert off.engine.core.executor.driver.runner.kv_bytes_per_block() == bpb
         got = [o.outputs[0].token_ids for o in off.generate(prompts[::-1], GREEDY, use_tqdm=False)]
         assert got == want[::-1]
         assert run_rounds(off, prompts, 1) == want
         pool_whole(off)
-        assert off.engine.stats()["kv_connector_num_loaded_tokens"] > 0
+        assert off.engine.core_stats()["kv_connector_num_loaded_tokens"] > 0
 
 
 def test_offload_scheduler_lru_and_pinning():
@@ -106,5 +106,5 @@ def test_offload_with_tp2_and_pcp2(pool_whole):
         with LLM("builtin:llama-tiny", device="cpu", max_model_len=256, block_size=2, num_gpu_blocks=24,
                  kv_offload_gb=0.001, **layout) as off:
             assert run_rounds(off, prompts) == want + want
-            assert off.engine.stats()["kv_connector_num_loaded_tokens"] > 0
+            assert off.engine.core_stats()["kv_connector_num_loaded_tokens"] > 0
             pool_whole(off)

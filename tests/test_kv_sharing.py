@@ -66,7 +66,7 @@ def test_kv_sharing_matches_plain_torch(kw):
                 assert abs(lp[tok] - ref[tok].item()) < 1e-4
                 ids.append(tok)
         # the sharing layers own no cache: only layers 0 and 1 are allocated
-        runner = llm.engine.executor.driver.runner
+        runner = llm.engine.core.executor.driver.runner
         assert runner.layers["model.layers.2.self_attn.attn"].kv_cache is runner.layers["model.layers.0.self_attn.attn"].kv_cache
         assert len({c.data_ptr() for c in runner.kv_caches}) == 2
     finally:

@@ -51,7 +51,7 @@ def assert_clean(llm_or_pids, port=None):
 
 
 def worker_pids(llm) -> list[int]:
-    return [p.pid for p in llm.engine.executor.procs]
+    return [p.pid for p in llm.engine.core.executor.procs]
 
 
 def timed(fn):
@@ -73,13 +73,13 @@ def test_engines_built_one_after_another(expected):
     threads = torch.get_num_threads()
     first = tp2()
     assert tokens(first) == expected
-    port = first.engine.executor.port
+    port = first.engine.core.executor.port
     first.shutdown()
     assert timed(first.shutdown) < 0.1  # idempotent
     assert_clean(first, port)
     with tp2() as second:
         assert tokens(second) == expected
-    assert_clean(second, second.engine.executor.port)
+    assert_clean(second, second.engine.core.executor.port)
     third = tp2()  # a notebook cell run again: the old engine is still referenced
     assert tokens(third) == expected
     fourth = tp2()
@@ -151,7 +151,7 @@ def test_stopped_worker_is_named_within_the_timeout():
 
 def on_fifth_layer_call(llm, action) -> None:
     """Run `action` on rank 0 inside a step (between two layers), while rank 1 is mid-step."""
-    layer, calls = llm.engine.executor.driver.runner.model.layers[1], []
+    layer, calls = llm.engine.core.executor.driver.runner.model.layers[1], []
     real = layer.forward
 
     def hooked(*a, **kw):
@@ -171,7 +171,7 @@ def test_driver_only_interrupt_lands_between_steps_and_the_engine_goes_on(expect
     on_fifth_layer_call(llm, lambda: signal.raise_signal(signal.SIGINT))
     with pytest.raises(KeyboardInterrupt):
         tokens(llm, LONG)
-    assert not llm.engine.scheduler.has_unfinished()
+    assert not llm.engine.core.scheduler.has_unfinished()
     assert tokens(llm) == expected
     assert len(tokens(llm, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))) == 50
     assert timed(llm.shutdown) < 5
@@ -211,7 +211,7 @@ def test_exit_without_shutdown_leaves_no_worker(tmp_path):
             llm = LLM("builtin:llama-tiny", device="cpu", tensor_parallel_size=2)
             llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2),
                          use_tqdm=False)
-            print("pids", *[p.pid for p in llm.engine.executor.procs], flush=True)
+            print("pids", *[p.pid for p in llm.engine.core.executor.procs], flush=True)
     """))
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

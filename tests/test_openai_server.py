@@ -95,7 +95,7 @@ def assert_idle(server, timeout=10.0):
             break
         time.sleep(0.05)
     assert idle, m
-    kv = server.core.engine.kv
+    kv = server.core.engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks and not any(kv.ref_cnt)
 
 
@@ -222,7 +222,7 @@ def test_client_disconnects_mid_stream_free_their_blocks(server):
             with http.stream("POST", "/v1/completions", json=body) as resp:
                 lines = resp.iter_lines()
                 assert next(lines).startswith("data: ")
-                assert server.core.engine.kv.num_free_blocks < server.core.engine.kv.num_blocks
+                assert server.core.engine.core.kv.num_free_blocks < server.core.engine.core.kv.num_blocks
             # leaving the block closes the connection mid-stream
     assert_idle(server)
     assert metric(metrics(server), "vllm:request_success_total", finished_reason="abort") == before + 4
@@ -322,7 +322,7 @@ def test_503_while_loading_and_after_a_fatal_engine_error():
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=30)
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
-        executor = srv.core.engine.executor
+        executor = srv.core.engine.core.executor
         real_execute = executor.execute_async
 
         def execute(plan):  # a few good steps, then the engine breaks

@@ -26,8 +26,8 @@ def run(path, prompts, vocab=VOCAB, **kw):
     try:
         params = SamplingParams(temperature=0, max_tokens=6, logprobs=vocab, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        kv = llm.engine.kv
-        assert kv.num_free_blocks == kv.num_blocks and not llm.engine.scheduler.has_unfinished()
+        kv = llm.engine.core.kv
+        assert kv.num_free_blocks == kv.num_blocks and not llm.engine.core.scheduler.has_unfinished()
         return outs, kv
     finally:
         llm.shutdown()
@@ -92,9 +92,9 @@ def test_context_parallel_prefix_cache_hits(models):
         params = SamplingParams(temperature=0, max_tokens=6, logprobs=VOCAB, ignore_eos=True)
         first = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
         second = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-        assert llm.engine.kv.num_cached_tokens_hit > 0
+        assert llm.engine.core.kv.num_cached_tokens_hit > 0
         assert_same(first + second, ref)
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
     finally:
         llm.shutdown()
 

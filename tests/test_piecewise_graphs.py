@@ -54,7 +54,7 @@ def test_piecewise_equals_eager_bit_for_bit(model, monkeypatch, pool_whole):
     llm = LLM(model, device="cpu", max_num_batched_tokens=BUDGET, max_num_seqs=8,
               enable_prefix_caching=True)
     try:
-        log = checking_runs(llm.engine.executor.driver.runner)
+        log = checking_runs(llm.engine.core.executor.driver.runner)
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         first = prompts(1, (37, 70, 9, 25))
         llm.generate(first, params, use_tqdm=False)
@@ -84,7 +84,7 @@ def test_piecewise_tp2_gives_the_tokens_of_one_rank(monkeypatch):
     llm = LLM("builtin:qwen3-tiny", tensor_parallel_size=2, **kw)
     try:
         outs = llm.generate(ps, params, use_tqdm=False)
-        assert llm.engine.executor.driver.runner.piecewise.num_steps >= 3
+        assert llm.engine.core.executor.driver.runner.piecewise.num_steps >= 3
     finally:
         llm.shutdown()
     for o, r in zip(outs, ref):
@@ -107,7 +107,7 @@ def test_layouts_without_piecewise_graphs_run_eagerly(monkeypatch):
     monkeypatch.setenv("LONGSERVE_PIECEWISE", "eager")
     llm = LLM("builtin:qwen3-moe-tiny", device="cpu")
     try:
-        assert llm.engine.executor.driver.runner.piecewise is None
+        assert llm.engine.core.executor.driver.runner.piecewise is None
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 2
     finally:

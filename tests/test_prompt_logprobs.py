@@ -59,7 +59,7 @@ def assert_all_match(outs, ps, model, k=VOCAB):
 def test_matches_hf_with_chunked_prefill(hf_models, arch, pool_whole):
     path, model = hf_models[arch]
     llm = LLM(path, device="cpu", max_num_batched_tokens=16, block_size=4)
-    llm.engine.executor.driver.runner.prompt_logprob_rows_per_slice = 3  # logits in slices
+    llm.engine.core.executor.driver.runner.prompt_logprob_rows_per_slice = 3  # logits in slices
     ps = prompts()
     assert_all_match(generate(llm, ps), ps, model)
     pool_whole(llm)
@@ -98,7 +98,7 @@ def test_prefix_cache_hit_is_recomputed(hf_models, pool_whole):
     ps = prompts(5, (17, 33))
     plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in ps], plain, use_tqdm=False)  # fills the cache
-    kv = llm.engine.kv
+    kv = llm.engine.core.kv
     hits = kv.num_cached_tokens_hit
     assert_all_match(generate(llm, ps), ps, model)
     assert kv.num_cached_tokens_hit == hits  # recomputed, not read
@@ -110,7 +110,7 @@ def test_prefix_cache_hit_is_recomputed(hf_models, pool_whole):
 
 def spy_preemptions(llm):
     """Record (prompt logprobs collected, prompt length) of every preempted request."""
-    sched, seen = llm.engine.scheduler, []
+    sched, seen = llm.engine.core.scheduler, []
     preempt = sched._preempt
 
     def spy(req):
@@ -147,7 +147,7 @@ def test_any_chunking_and_pool_gives_each_entry_once(hf_models, lengths, budget,
               max_num_batched_tokens=budget, max_num_seqs=4, enable_prefix_caching=prefix_cache)
     ps = prompts(sum(lengths), lengths)
     assert_all_match(generate(llm, ps + ps[:1], k=2, max_tokens=6), ps + ps[:1], model, k=2)
-    kv = llm.engine.kv
+    kv = llm.engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -199,7 +199,7 @@ def test_parallel_layouts_match_one_rank(hf_models, layout):
         ref = generate(llm, ps, k=5)
     with LLM(path, **kw, **LAYOUTS[layout]) as llm:
         first, second = generate(llm, ps, k=5), generate(llm, ps, k=5)
-        assert all(kv.num_free_blocks == kv.num_blocks for kv in llm.engine.kv_managers)
+        assert all(s["num_free_blocks"] == s["num_blocks"] for s in llm.engine.pool_states())
     assert_same_entries(first, ref)
     assert_same_entries(second, ref)
 

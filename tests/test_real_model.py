@@ -116,9 +116,9 @@ def test_pcp2_chunked_prefill_and_prefix_hits(smollm2_gguf, prompt_ids, referenc
               max_num_batched_tokens=32)
     try:
         assert_same(greedy(llm, prompt_ids), reference)
-        hits = llm.engine.kv.num_cached_tokens_hit
+        hits = llm.engine.core.kv.num_cached_tokens_hit
         assert_same(greedy(llm, prompt_ids), reference)
-        assert llm.engine.kv.num_cached_tokens_hit - hits >= sum(len(p) // 8 * 8 - 8 for p in prompt_ids)
+        assert llm.engine.core.kv.num_cached_tokens_hit - hits >= sum(len(p) // 8 * 8 - 8 for p in prompt_ids)
         pool_whole(llm)
     finally:
         llm.shutdown()

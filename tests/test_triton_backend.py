@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
         ps = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()} for n in (6, 21, 40)]
         outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=8),
                             use_tqdm=False)
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
         llm.shutdown()
         return outs
 

@@ -288,6 +288,35 @@ class MPClient:
         self.ctx.term()
 
 
+def run_headless(config: EngineConfig) -> int:
+    """A host of engine cores only (`serve --headless`): start this host's DP ranks, which
+    connect to the front end at --data-parallel-address:--data-parallel-rpc-port, and wait for
+    them to end (the front end's shutdown). SIGTERM / Ctrl-C stop them. Returns the exit status."""
+    import signal
+    par = config.parallel
+    if not par.data_parallel_rpc_port:
+        raise ValueError("--headless needs --data-parallel-rpc-port (and --data-parallel-address)")
+    cmd, out, dist_init = dp_addresses(par)
+    local = par.data_parallel_size if par.data_parallel_size_local is None \
+        else par.data_parallel_size_local
+    ranks = range(par.data_parallel_start_rank, par.data_parallel_start_rank + local)
+    procs = [start_core_process(core_config(config, d), d, CoreAddresses(cmd, out, dist_init), i)
+             for i, d in enumerate(ranks)]
+    logger.info("headless: engine cores %s of %d connect to %s", list(ranks),
+                par.data_parallel_size, cmd)
+
+    def stop(signum, frame):
+        for p in procs:
+            p.terminate()
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        stop(None, None)
+        codes = [p.wait() for p in procs]
+    return max(abs(c) for c in codes)
+
+
 def decode_outputs_any(payload: bytes):
     import msgspec
     return msgspec.msgpack.decode(payload)

@@ -235,6 +235,15 @@ class LLMEngine:
                     cudagraph_capture_s=first["cudagraph_capture_s"],
                     load_s=max(i["load_s"] for i in self.infos))
 
+    @property
+    def core(self):
+        """The EngineCore itself, when it runs in this process (tests and debugging: the
+        scheduler, the KV cache manager, the executor's workers)."""
+        if not isinstance(self.client, InprocClient):
+            raise RuntimeError(f"the engine cores run in processes of their own; use "
+                               f"engine.call(...) or {MULTIPROCESSING}=0")
+        return self.client.core
+
     def call(self, method: str, *args, core: int = 0, timeout: float = 60.0):
         """EngineCore.<method>(*args) in one core (tests, benchmarks)."""
         return self.client.call(core, method, *args, timeout=timeout)

@@ -34,6 +34,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-pcp", "--prefill-context-parallel-size", type=int, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
     p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="engine cores (DP ranks) on this host (default: all)")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="the first DP rank on this host (headless hosts)")
+    p.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
+                   help="the front end's host: engine cores of other hosts connect to it")
+    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=0,
+                   help="the front end's port for its engine cores (and the next two); 0: free ports")
     p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
     p.add_argument("--enable-sequence-parallel", action="store_true")
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -65,7 +73,8 @@ ENGINE_KEYS = ("tokenizer", "dtype", "device", "max_model_len", "block_size", "m
                "decode_context_parallel_size", "data_parallel_size", "cp_kv_cache_interleave_size",
                "enable_sequence_parallel", "enable_expert_parallel", "enable_dbo",
                "dbo_decode_token_threshold", "dbo_prefill_token_threshold", "kv_offload_gb",
-               "kv_transfer_config", "async_scheduling")
+               "kv_transfer_config", "async_scheduling", "data_parallel_size_local",
+               "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port")
 
 
 def make_llm(args):
@@ -138,22 +147,26 @@ def cmd_bench(args) -> None:
     llm.shutdown()
 
 
+def engine_config(args):
+    from longserve.llm import build_engine_config
+    return build_engine_config(args.model, **{k: getattr(args, k) for k in ENGINE_KEYS})
+
+
 def cmd_serve(args) -> None:
-    """`longserve serve MODEL`: the OpenAI-compatible HTTP server (see entrypoints/openai)."""
+    """`longserve serve MODEL`: the OpenAI-compatible HTTP server (see entrypoints/openai);
+    with --headless, only this host's engine cores of a multi-host DP deployment."""
     import logging
 
-    from longserve.engine.core import EngineCore
+    from longserve.engine.llm_engine import LLMEngine
     from longserve.entrypoints.openai.api_server import run_server
     args.model = args.model_tag or args.model
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    keep = []  # the LLM owns the engine; it must outlive the server
-
-    def load_core():
-        keep.append(make_llm(args))
-        return EngineCore(keep[0].engine, max_waiting=args.max_waiting)
-
+    if args.headless:
+        from longserve.engine.core_client import run_headless
+        sys.exit(run_headless(engine_config(args)))
     names = args.served_model_name or [args.model]
-    sys.exit(run_server(load_core, names, args.host, args.port, args.api_key, args.chat_template,
+    sys.exit(run_server(lambda: LLMEngine(engine_config(args), max_waiting=args.max_waiting), names,
+                        args.host, args.port, args.api_key, args.chat_template,
                         args.shutdown_timeout, args.uvicorn_log_level))
 
 
@@ -171,6 +184,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may drain after Ctrl-C / SIGTERM")
     p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this host's engine cores (they connect to the front end at "
+                        "--data-parallel-address:--data-parallel-rpc-port)")
 
 
 def add_generate_args(gen: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from longserve.engine.core import EngineCore
+from longserve.engine.llm_engine import LLMEngine
 from longserve.entrypoints.openai.metrics import make_registry
 from longserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    ModelCard, ModelList, OpenAIError)
@@ -35,7 +35,7 @@ class ServerState:
     served_names: list[str]
     api_key: str | None = None
     chat_template: str | None = None
-    core: EngineCore | None = None
+    core: LLMEngine | None = None
     load_error: str | None = None
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
@@ -47,7 +47,7 @@ def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-def build_app(load_core: Callable[[], EngineCore], served_names: list[str], api_key: str | None = None,
+def build_app(load_core: Callable[[], LLMEngine], served_names: list[str], api_key: str | None = None,
               chat_template: str | None = None,
               on_load_error: Callable[[], None] | None = None) -> FastAPI:
     """`load_core` builds the engine core (on a thread, after the server starts listening)."""
@@ -102,13 +102,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    async def ready() -> EngineCore:
+    async def ready() -> LLMEngine:
+        """The engine can serve: loaded, and some engine core alive (with DP, the others go on
+        serving when one died)."""
         if state.core is None:
             raise OpenAIError(state.load_error or "the model is still loading; try again shortly",
                               503, "server_error", code="loading")
-        if not state.core.healthy:
-            raise OpenAIError(state.core.error or "the engine is shutting down", 503, "server_error",
-                              code="engine_dead")
+        if state.core.error is not None:
+            raise OpenAIError(state.core.error, 503, "server_error", code="engine_dead")
         return state.core
 
     async def authorized(request: Request) -> None:
@@ -123,7 +124,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health():
-        await ready()
+        """200 only when every engine core is alive."""
+        core = await ready()
+        if not core.healthy:
+            dead = "; ".join(core.client.dead.values()) or "the engine is shutting down"
+            raise OpenAIError(dead, 503, "server_error", code="engine_dead")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -144,7 +149,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return await state.chat.create_chat_completion(body)
 
 
-def run_server(load_core: Callable[[], EngineCore], served_names: list[str], host: str = "127.0.0.1",
+def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host: str = "127.0.0.1",
                port: int = 8000, api_key: str | None = None, chat_template: str | None = None,
                shutdown_timeout: float = 10.0, log_level: str = "info") -> int:
     """Serve until Ctrl-C / SIGTERM; returns the exit status (1 if the engine failed to start)."""

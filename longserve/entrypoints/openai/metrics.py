@@ -11,12 +11,12 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from longserve.engine.core import EngineCore
+from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.stats import Histogram
 
 
 class EngineCollector(Collector):
-    def __init__(self, get_core: Callable[[], EngineCore | None], model_name: str):
+    def __init__(self, get_core: Callable[[], LLMEngine | None], model_name: str):
         self.get_core = get_core
         self.model_name = model_name
 
@@ -65,7 +65,7 @@ class EngineCollector(Collector):
                               stats.e2e_request_latency)
 
 
-def make_registry(get_core: Callable[[], EngineCore | None], model_name: str) -> CollectorRegistry:
+def make_registry(get_core: Callable[[], LLMEngine | None], model_name: str) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(get_core, model_name))
     return registry

@@ -6,7 +6,8 @@ from contextlib import aclosing
 
 from starlette.responses import StreamingResponse
 
-from longserve.engine.core import EngineCore, StreamOutput
+from longserve.engine.llm_engine import LLMEngine
+from longserve.engine.output_processor import StreamOutput
 from longserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                    ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatLogprobToken, ChatMessageOut,
@@ -32,7 +33,7 @@ def message_dicts(req: ChatCompletionRequest) -> list[dict]:
 
 
 class OpenAIServingChat:
-    def __init__(self, core: EngineCore, served_names: list[str], chat_template: str | None = None):
+    def __init__(self, core: LLMEngine, served_names: list[str], chat_template: str | None = None):
         self.core = core
         self.served_names = served_names
         if chat_template and os.path.isfile(chat_template):  # --chat-template: a file or the text

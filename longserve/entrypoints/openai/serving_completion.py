@@ -5,7 +5,8 @@ from contextlib import aclosing
 
 from starlette.responses import StreamingResponse
 
-from longserve.engine.core import EngineCore, StreamOutput
+from longserve.engine.llm_engine import LLMEngine
+from longserve.engine.output_processor import StreamOutput
 from longserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                    CompletionRequest, CompletionResponse,
                                                    OpenAIError, random_id)
@@ -29,7 +30,7 @@ def normalize_prompts(prompt) -> list:
 
 
 class OpenAIServingCompletion:
-    def __init__(self, core: EngineCore, served_names: list[str]):
+    def __init__(self, core: LLMEngine, served_names: list[str]):
         self.core = core
         self.served_names = served_names
         self.names = TokenNames(core.tokenizer)

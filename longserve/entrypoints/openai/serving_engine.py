@@ -10,8 +10,9 @@ from functools import lru_cache
 
 from pydantic import BaseModel
 
-from longserve.engine.core import EngineCore, EngineDeadError, EngineOverloadedError, StreamOutput
-from longserve.engine.request import Request
+from longserve.engine.llm_engine import LLMEngine
+from longserve.engine.messages import EngineCoreRequest
+from longserve.engine.output_processor import EngineDeadError, EngineOverloadedError, StreamOutput
 from longserve.entrypoints.openai.protocol import OpenAIError, SamplingFields, UsageInfo
 from longserve.sampling_params import SamplingParams
 
@@ -45,9 +46,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         raise OpenAIError(str(e), param=_param_of(str(e))) from None
 
 
-def submit(core: EngineCore, prompts: list, params: SamplingParams, param: str) -> list:
+def submit(core: LLMEngine, prompts: list, params: SamplingParams, param: str) -> list:
     """Validate every prompt first, then queue them all; returns (request, stream) pairs."""
-    requests: list[Request] = []
+    requests: list[EngineCoreRequest] = []
     for prompt in prompts:
         try:
             requests.append(core.make_request(prompt, params))
@@ -77,7 +78,7 @@ def unavailable(e: Exception) -> OpenAIError:
                        code="overloaded" if overloaded else "engine_dead")
 
 
-async def read_streams(core: EngineCore, streams: list):
+async def read_streams(core: LLMEngine, streams: list):
     """(index, delta) from all streams as they come; on exit aborts every unfinished request
     (a client that went away leaves nothing running and no KV block held)."""
     unfinished = {s.request_id for s in streams}
@@ -136,7 +137,7 @@ def kv_transfer_params(outs: list[StreamOutput]) -> dict | None:
     return next((o.kv_transfer_params for o in outs if o.kv_transfer_params), None)
 
 
-async def read_all(core: EngineCore, streams: list) -> list[StreamOutput]:
+async def read_all(core: LLMEngine, streams: list) -> list[StreamOutput]:
     """The whole output of each stream, in order."""
     outs: list[StreamOutput | None] = [None] * len(streams)
     async with aclosing(read_streams(core, streams)) as deltas:
