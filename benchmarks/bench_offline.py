@@ -50,9 +50,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from longserve import LLM, SamplingParams
-from longserve.config import ModelConfig
-from longserve.models.builtin import resolve_model
+# the step timers and profiler windows step the engine core themselves: it runs in this process
+os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")
+
+from longserve import LLM, SamplingParams  # noqa: E402
+from longserve.engine.messages import EngineCoreRequest  # noqa: E402
+from longserve.config import ModelConfig  # noqa: E402
+from longserve.models.builtin import resolve_model  # noqa: E402
 
 # one model step as the executor received it: decode rows, prefill tokens, seconds inside
 # execute (host time under asynchronous scheduling), sequences, context tokens summed over them
@@ -95,11 +99,15 @@ def make_workload(args, vocab: int, token_seed: int | None = None) -> Workload:
                           0 if token_seed is None else token_seed)
 
 
+_bench_ids = iter(range(1 << 62))
+
+
 def add_requests(eng, wl: Workload, max_tokens: list[int] | int) -> None:
+    """Straight into the engine core (`eng`: the paused in-process core the caller steps)."""
     outs = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(wl.prompts)
     for p, m in zip(wl.prompts, outs):
-        eng.add_request(eng.make_request({"prompt_token_ids": p},
-                                         SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)))
+        eng.add_request(EngineCoreRequest(f"bench-{next(_bench_ids)}", list(p), SamplingParams(
+            temperature=0, max_tokens=m, ignore_eos=True)))
 
 
 def sync(device: str) -> None:
@@ -136,9 +144,8 @@ def run_floor_s(steps, weight_bytes: int, kv_per_tok: int, bw_tb_s: float) -> fl
 
 
 def plan_requests(plan) -> list:
-    """The ScheduledRequests of a step plan (one DP rank's or every DP rank's)."""
-    plans = getattr(plan, "plans", None)
-    return [r for p in plans for r in p.requests] if plans is not None else list(plan.requests)
+    """The ScheduledRequests of a step plan."""
+    return list(plan.requests)
 
 
 def step_record(plan, seconds: float) -> StepRecord:
@@ -199,10 +206,9 @@ def build_llm(model: str, args, wl: Workload) -> LLM:
 def timed_run(llm, wl: Workload, device: str):
     """Warm up on other token ids (the same batch shapes; no prefix-cache hits in the timed
     run), then generate the workload; (seconds, step log)."""
-    eng = llm.engine
-    add_requests(eng, Workload(wl.name, make_token_variant(wl, 7), wl.out_lens), 8)
-    while eng.has_unfinished():
-        eng.step()
+    with llm.engine.client.paused() as eng:
+        add_requests(eng, Workload(wl.name, make_token_variant(wl, 7), wl.out_lens), 8)
+        drain(eng)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in wl.out_lens]
     with record_steps(llm) as log:
         sync(device)
@@ -244,13 +250,13 @@ def max_prefill_steps(budget: int, wl: Workload) -> int:
 def steps_until(eng, log, done, limit: int = 100_000) -> None:
     """Step until done(log) holds for the plans executed so far (or nothing is left)."""
     for _ in range(limit):
-        if done(log) or not eng.has_unfinished():
+        if done(log) or not eng.has_work():
             return
         eng.step()
 
 
 def drain(eng) -> None:
-    while eng.has_unfinished():
+    while eng.has_work():
         eng.step()
 
 
@@ -258,15 +264,15 @@ def decode_step_time(llm, wl: Workload, weight_bytes, kv_per_tok, bw, device, st
     """Mean time of consecutive decode steps that hold every request (host work included;
     synchronised at both ends of the window) and the mean floor of those same steps.
     Requests run long enough that the steps after the last prefill still hold the batch."""
-    eng, n = llm.engine, len(wl.prompts)
-    with record_steps(llm) as log:
+    n = len(wl.prompts)
+    with llm.engine.client.paused() as eng, record_steps(llm) as log:
         add_requests(eng, Workload(wl.name, make_token_variant(wl, 1), wl.out_lens),
                      max_prefill_steps(llm.config.scheduler.max_num_batched_tokens, wl) + steps + 8)
         steps_until(eng, log, lambda lg: lg and lg[-1].decode_rows == n and lg[-1].prefill_tokens == 0)
         start, calls = len(log), 0
         sync(device)
         t = time.perf_counter()
-        while calls < steps and eng.has_unfinished():
+        while calls < steps and eng.has_work():
             eng.step()
             calls += 1
         sync(device)
@@ -318,7 +324,7 @@ HOST_PARTS = [("schedule", "scheduler", "schedule"),
               # scheduling the only wait for the device in a step
               ("token_wait", "longserve.worker.model_runner:ModelRunnerOutput", "resolve"),
               ("update_from_output", "scheduler", "update_from_output"),
-              ("stop_strings", "engine", "_apply_stop_strings")]
+              ("outputs", "engine", "_outputs")]
 
 
 def host_part_owner(eng, where: str):
@@ -406,7 +412,7 @@ def profiled_steps(eng, num_steps: int, device: str, log) -> dict:
         prof_cm = profile(activities=[ProfilerActivity.CUDA])
     with host_timers(eng) as (parts, called, missing), prof_cm as prof:
         t, steps = time.perf_counter(), 0
-        while steps < num_steps and eng.has_unfinished():
+        while steps < num_steps and eng.has_work():
             eng.step()
             steps += 1
         sync(device)
@@ -451,8 +457,7 @@ def kernel_table(prof) -> str:
 def profile_windows(llm, wl: Workload, device: str, num_steps: int = PROFILE_WINDOW) -> list[dict]:
     """A window of mixed prefill+decode steps (after one step, while prompts remain), then one
     of decode-only steps (once the last plan had no prefill), on other token ids."""
-    eng = llm.engine
-    with record_steps(llm) as log:
+    with llm.engine.client.paused() as eng, record_steps(llm) as log:
         add_requests(eng, Workload(wl.name, make_token_variant(wl, 3), wl.out_lens),
                      max_prefill_steps(llm.config.scheduler.max_num_batched_tokens, wl) + 2 * num_steps + 8)
         eng.step()  # the first step: prefill only
@@ -466,9 +471,9 @@ def profile_windows(llm, wl: Workload, device: str, num_steps: int = PROFILE_WIN
 
 def profile_run(llm, wl: Workload, device: str) -> dict:
     """The whole workload again (other token ids) under the timers and the profiler."""
-    with record_steps(llm) as log:
-        add_requests(llm.engine, Workload(wl.name, make_token_variant(wl, 5), wl.out_lens), wl.out_lens)
-        w = profiled_steps(llm.engine, 1 << 62, device, log)
+    with llm.engine.client.paused() as eng, record_steps(llm) as log:
+        add_requests(eng, Workload(wl.name, make_token_variant(wl, 5), wl.out_lens), wl.out_lens)
+        w = profiled_steps(eng, 1 << 62, device, log)
     w["name"] = "whole run"
     return w
 

@@ -6,10 +6,10 @@ import os
 import pytest
 
 from longserve.config import ModelConfig
-from longserve.engine.llm_engine import LLMEngine
+from longserve.engine.core import EngineCore
 from longserve.engine.scheduler import Scheduler
 from longserve.models.builtin import resolve_model
-from longserve.step_plan import DPStepPlan, ScheduledRequest, SchedulerOutput
+from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker import model_runner
 
 _spec = importlib.util.spec_from_file_location(
@@ -33,9 +33,9 @@ def req(computed, n_tokens):
 
 def test_run_floor_of_two_hand_worked_steps():
     # step 1: a 6-token prefill chunk after 10 cached tokens (context 16) and a decode at
-    # position 29 (context 30); step 2 (DP plan of two ranks): decodes of context 31 and 5
+    # position 29 (context 30); step 2: decodes of context 31 and 5
     s1 = bench.step_record(SchedulerOutput([req(10, 6), req(29, 1)]), 0.0)
-    s2 = bench.step_record(DPStepPlan([SchedulerOutput([req(30, 1)]), SchedulerOutput([req(4, 1)])]), 0.0)
+    s2 = bench.step_record(SchedulerOutput([req(30, 1), req(4, 1)]), 0.0)
     assert (s1.decode_rows, s1.prefill_tokens, s1.num_seqs, s1.context_tokens) == (1, 6, 2, 46)
     assert (s2.decode_rows, s2.prefill_tokens, s2.num_seqs, s2.context_tokens) == (2, 0, 2, 36)
     # weights 1000 B each step, 10 B of KV a token: (1000 + 460) + (1000 + 360) = 2820 B
@@ -79,7 +79,7 @@ def test_trace_busy_reads_the_profilers_export():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_nano_workload_end_to_end_on_cpu(mode):
-    originals = (Scheduler.schedule, Scheduler.update_from_output, LLMEngine._apply_stop_strings,
+    originals = (Scheduler.schedule, Scheduler.update_from_output, EngineCore._outputs,
                  model_runner.prepare_step, model_runner.ModelRunner.run_model)
     rows = bench.main(["--models", "qwen3-tiny", "--device", "cpu", "--workload", "nano",
                        "--num-prompts", "6", "--nano-min-len", "8", "--nano-max-len", "24",
@@ -104,7 +104,7 @@ def test_nano_workload_end_to_end_on_cpu(mode):
     assert not mixed["not_timed"] and all(v > 0 for v in mixed["host_ms"].values())
     assert mixed["gpu_idle_pct"] is None  # no GPU here
     assert originals == (Scheduler.schedule, Scheduler.update_from_output,
-                         LLMEngine._apply_stop_strings, model_runner.prepare_step,
+                         EngineCore._outputs, model_runner.prepare_step,
                          model_runner.ModelRunner.run_model)
 
 
@@ -122,17 +122,15 @@ def test_weight_params_count_every_parameter_of_the_model(model):
 @pytest.mark.timeout(60)
 def test_host_timers_time_and_restore_and_skip_missing():
     llm = bench.LLM("builtin:qwen3-tiny", load_format="dummy", device="cpu", max_model_len=64)
-    eng = llm.engine
     parts = bench.HOST_PARTS + [("gone", "scheduler", "no_such_method")]
     try:
-        bench.add_requests(eng, bench.fixed_workload(2, 8, 3, 512), 3)
-        with bench.host_timers(eng, parts) as (totals, calls, missing):
-            while eng.has_unfinished():
-                eng.step()
+        with llm.engine.client.paused() as eng, bench.host_timers(eng, parts) as (totals, calls, missing):
+            bench.add_requests(eng, bench.fixed_workload(2, 8, 3, 512), 3)
+            bench.drain(eng)
         assert missing == ["scheduler.no_such_method"]
         assert calls["schedule"] >= 3 and calls["run_model"] == calls["sample"] >= 3
         assert all(totals[k] > 0 for k in ("schedule", "prepare_step", "run_model", "sample",
-                                           "token_wait", "update_from_output", "stop_strings"))
+                                           "token_wait", "update_from_output", "outputs"))
         assert "schedule" not in vars(type(eng.scheduler)) or \
             type(eng.scheduler).schedule.__name__ == "schedule"
         assert model_runner.prepare_step.__name__ == "prepare_step"

@@ -109,15 +109,16 @@ def test_logprobs_are_returned(llm):
 
 
 def test_abort_frees_blocks(llm, pool_whole):
+    """A request aborted by the front end mid-generation ends with "abort"; its blocks return."""
     eng = llm.engine
     req = eng.make_request({"prompt_token_ids": list(range(3, 60))}, greedy(50))
-    eng.add_request(req)
-    eng.step()
-    eng.step()
-    assert eng.kv.num_free_blocks < eng.kv.num_blocks
-    eng.abort_request(req.request_id)
+    stream = iter(eng.add_request(req))
+    first = next(stream)
+    assert not first.finished and eng.call("pool_state")["num_free_blocks"] < eng.num_blocks
+    eng.abort(req.request_id)
+    last = list(stream)[-1]
+    assert last.finished and last.finish_reason == "abort"
     pool_whole(llm)
-    assert req.finish_reason == "abort"
 
 
 def test_prompt_too_big_for_the_kv_pool():

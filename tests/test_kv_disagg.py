@@ -223,18 +223,19 @@ def test_consumer_aborts_while_loading(pool_whole):
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
     try:
         p = prod.call("prefill", PROMPTS[1])
-        with consumer() as cons:
-            eng = cons.engine
-            req = eng.make_request(PROMPTS[1], with_params(p))
-            eng.add_request(req)
-            eng.step()  # the load starts
-            assert req.request_id in eng.scheduler.loading
-            eng.abort_request(req.request_id)
-            assert eng.kv.num_free_blocks < eng.kv.num_blocks  # a load may still write them
+        with consumer() as cons, cons.engine.client.paused() as core:
+            req = cons.engine.make_request(PROMPTS[1], with_params(p))
+            core.add_request(req)
+            core.step()  # the load starts
+            assert req.request_id in core.scheduler.loading
+            core.abort_requests([req.request_id])
+            assert core.kv.num_free_blocks < core.kv.num_blocks  # a load may still write them
             deadline = time.monotonic() + 10
-            while eng.has_kv_transfers() and time.monotonic() < deadline:
-                eng.step()
-            pool_whole(cons)
+            while core.scheduler.has_kv_transfers() and time.monotonic() < deadline:
+                core.step()
+            assert core.pool_state() == dict(num_free_blocks=core.kv.num_blocks,
+                                             num_blocks=core.kv.num_blocks, refs_zero=True,
+                                             unfinished=False)
         wait_pool_whole(prod, 5)
     finally:
         prod.close()

@@ -11,7 +11,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from longserve import LLM, SamplingParams
-from longserve.engine.core import EngineCore
+from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.executor import free_port
 from longserve.entrypoints.openai.api_server import build_app
 
@@ -36,7 +36,7 @@ class ServerThread:
         self.url = f"http://127.0.0.1:{self.port}"
 
     @property
-    def core(self) -> EngineCore:
+    def core(self) -> LLMEngine:
         return self.app.state.longserve.core
 
     def wait_healthy(self, timeout=60):
@@ -54,7 +54,7 @@ class ServerThread:
 @pytest.fixture(scope="module")
 def server():
     llms = []
-    srv = ServerThread(lambda: EngineCore((llms.append(LLM(MODEL, **ENGINE)) or llms[0]).engine))
+    srv = ServerThread(lambda: (llms.append(LLM(MODEL, **ENGINE)) or llms[0]).engine)
     srv.wait_healthy()
     yield srv
     srv.stop()
@@ -95,7 +95,7 @@ def assert_idle(server, timeout=10.0):
             break
         time.sleep(0.05)
     assert idle, m
-    kv = server.core.engine.core.kv
+    kv = server.core.core.kv
     assert kv.num_free_blocks == kv.num_blocks and not any(kv.ref_cnt)
 
 
@@ -222,7 +222,7 @@ def test_client_disconnects_mid_stream_free_their_blocks(server):
             with http.stream("POST", "/v1/completions", json=body) as resp:
                 lines = resp.iter_lines()
                 assert next(lines).startswith("data: ")
-                assert server.core.engine.core.kv.num_free_blocks < server.core.engine.core.kv.num_blocks
+                assert server.core.core.kv.num_free_blocks < server.core.core.kv.num_blocks
             # leaving the block closes the connection mid-stream
     assert_idle(server)
     assert metric(metrics(server), "vllm:request_success_total", finished_reason="abort") == before + 4
@@ -310,7 +310,7 @@ def test_503_while_loading_and_after_a_fatal_engine_error():
     def load():
         release.wait(30)
         llms.append(LLM(MODEL, **ENGINE))
-        return EngineCore(llms[0].engine)
+        return llms[0].engine
 
     srv = ServerThread(load)
     try:
@@ -322,7 +322,7 @@ def test_503_while_loading_and_after_a_fatal_engine_error():
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=30)
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
-        executor = srv.core.engine.core.executor
+        executor = srv.core.core.executor
         real_execute = executor.execute_async
 
         def execute(plan):  # a few good steps, then the engine breaks

@@ -72,13 +72,13 @@ def test_stop_string_waits_for_min_tokens(llm, pool_whole):
 def test_stop_strings_decode_only_the_new_tokens(llm, monkeypatch):
     """Each step decodes a few tokens, never the whole output again."""
     lengths = []
-    decode_all = llm.engine.decode
+    decode_all = llm.engine.output.decode
 
     def recording(ids):
         lengths.append(len(ids))
         return decode_all(ids)
 
-    monkeypatch.setattr(llm.engine, "decode", recording)
+    monkeypatch.setattr(llm.engine.output, "decode", recording)
     out = llm.generate([{"prompt_token_ids": [1, 60, 61]}],
                        greedy(60, stop=["\x00never"]), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 60 and out.finish_reason == "length"

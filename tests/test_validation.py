@@ -137,16 +137,15 @@ def test_bad_prompts_fail_alone_before_anything_is_queued(llm, prompt, message, 
 def test_a_bad_request_never_aborts_queued_ones(llm, pool_whole):
     eng = llm.engine
     good = eng.make_request([1, 2, 3, 4], greedy(6))
-    eng.add_request(good)
-    eng.step()
+    stream = eng.add_request(good)
     for bad in ([1.5], {"prompt": "x", "oops": 1}):
         with pytest.raises(ValueError):
             eng.make_request(bad, greedy())
     with pytest.raises(ValueError, match="logprobs"):
         eng.make_request([1, 2], greedy(logprobs=10_000))
-    while eng.has_unfinished():
-        eng.step()
-    assert good.finish_reason == "length" and len(good.output_token_ids) == 6
+    deltas = list(stream)
+    assert deltas[-1].finish_reason == "length"
+    assert sum(len(d.token_ids) for d in deltas) == 6
     pool_whole(llm)
 
 

@@ -132,6 +132,10 @@ class EngineCore:
             o.num_preemptions = req.num_preemptions
         return o
 
+    def failure_reason(self, e: BaseException) -> str:
+        """Why the loop died: the executor's account (a dead or lagging rank) if it has one."""
+        return self.executor.failure or f"{type(e).__name__}: {e}"
+
     def dp_any_unfinished(self) -> bool:
         """Lockstep DP: whether any DP rank still has requests (one all-reduce over the DP
         ranks' engine cores, the first rank of each replica)."""

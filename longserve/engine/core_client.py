@@ -13,6 +13,7 @@ thread of this process, the same loop and messages without sockets.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -334,15 +335,30 @@ class InprocClient:
         self.inputs: queue.Queue = queue.Queue()
         self.proc = EngineCoreProc(self.core, self.inputs, self._emit)
         self._calls = UtilityCalls()
+        self._start_loop()
+
+    def _start_loop(self) -> None:
+        self.proc.stopping = False
         self._thread = threading.Thread(target=self._run, name="longserve-engine-core", daemon=True)
         self._thread.start()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The core without its loop: the caller steps it (benchmarks that time single steps).
+        Requests it adds there bypass the front end; the loop resumes on exit."""
+        self.inputs.put((SHUTDOWN, None))
+        self._thread.join()
+        try:
+            yield self.core
+        finally:
+            self._start_loop()
 
     def _run(self) -> None:
         try:
             self.proc.run()
         except BaseException as e:
             logger.exception("engine core failed")
-            self.dead[0] = f"engine core 0 failed: {type(e).__name__}: {e}"
+            self.dead[0] = f"engine core 0 failed: {self.core.failure_reason(e)}"
             self._calls.fail_all(self.dead[0])
             self.on_dead(0, self.dead[0])
 

@@ -56,8 +56,12 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while not self.stopping:
-            self._handle_inputs(block=not self._busy())
-            if self.stopping or not self._busy():
+            applied = self._handle_inputs(block=not self._busy())
+            if self.stopping:
+                continue
+            if not self._busy():
+                if applied:  # e.g. an abort while idle freed blocks: the front end's view
+                    self.emit(EngineCoreOutputs(self.index, stats=self.core.scheduler_stats()))
                 continue
             outputs = self.core.step(lockstep=self.lockstep)
             if self.lockstep:
@@ -67,15 +71,18 @@ class EngineCoreProc:
     def _busy(self) -> bool:
         return self.wave_running if self.lockstep else self.core.has_work()
 
-    def _handle_inputs(self, block: bool) -> None:
+    def _handle_inputs(self, block: bool) -> int:
+        """Apply the queued commands (waiting up to 1 s for one when idle); how many."""
+        applied = 0
         try:
             # a bounded wait: a signal (SIGTERM) gets the main thread back at once
             kind, payload = self.inputs.get(timeout=1.0) if block else self.inputs.get_nowait()
             while True:
                 self._apply(kind, payload)
+                applied += 1
                 kind, payload = self.inputs.get_nowait()
         except queue.Empty:
-            pass
+            return applied
 
     def _apply(self, kind: bytes, payload) -> None:
         if kind == ADD:
@@ -159,7 +166,7 @@ def _serve(config, engine_index: int, addresses: CoreAddresses, dealer, outputs:
     except BaseException as e:  # a fatal error inside a step: say why, then go
         if not isinstance(e, SystemExit):
             traceback.print_exc()
-        outputs.put(EngineCoreOutputs(engine_index, failed=f"{type(e).__name__}: {e}"))
+        outputs.put(EngineCoreOutputs(engine_index, failed=core.failure_reason(e)))
         raise
     finally:
         core.shutdown()
