@@ -2,7 +2,7 @@
 
 For each mode: the offline workload (N prompts x (in + out), greedy, ignore_eos, random
 weights at a real shape), its wall time, the median time of a decode-only step at the full
-batch (one `LLMEngine.step` call: with asynchronous scheduling that is the real step period),
+batch (one `EngineCore.step` call: with asynchronous scheduling that is the real step period),
 the GPU busy fraction over a window of decode steps and of mixed steps (union of kernel and
 copy intervals from torch.profiler over the window's span), and whether both modes give the
 same tokens.
@@ -11,12 +11,15 @@ same tokens.
 """
 import argparse
 import json
+import os
 import time
 
 import numpy as np
 import torch
 
 from longserve import LLM, SamplingParams
+
+os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")  # the spies read the core here
 
 
 def prompts(n, length, vocab, seed):
@@ -25,8 +28,8 @@ def prompts(n, length, vocab, seed):
 
 
 def spy_steps(llm):
-    """Time every engine.step() call and note its plan: (decode rows, prefill tokens, s)."""
-    eng, log = llm.engine, []
+    """Time every EngineCore.step() call and note its plan: (decode rows, prefill tokens, s)."""
+    eng, log = llm.engine.core, []
     schedule, step = eng.scheduler.schedule, eng.step
 
     def planned():
@@ -35,9 +38,9 @@ def spy_steps(llm):
         log.append([dec, out.num_tokens - dec, 0.0])
         return out
 
-    def timed():
+    def timed(lockstep=False):
         t = time.perf_counter()
-        done = step()
+        done = step(lockstep)
         log[-1][2] = time.perf_counter() - t
         return done
     eng.scheduler.schedule, eng.step = planned, timed
@@ -63,22 +66,22 @@ def busy_fraction(prof) -> float:
 def profile_window(llm, n, inp, steps, mixed: bool):
     """GPU busy fraction over `steps` engine steps: decode-only, or with prefill chunks."""
     from torch.profiler import ProfilerActivity, profile
-    eng = llm.engine
     vocab = llm.config.model.vocab_size
-    for p in prompts(n, inp, vocab, 6 if mixed else 5):  # no prefix hits between windows
-        eng.add_request(eng.make_request(p, SamplingParams(temperature=0, max_tokens=64,
-                                                           ignore_eos=True)))
-    budget = llm.config.scheduler.max_num_batched_tokens
-    warm = 2 if mixed else -(-n * inp // budget) + 4  # decode window: after the last prefill
-    for _ in range(warm):
-        eng.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+    with llm.engine.client.paused() as eng:  # this thread steps the core
+        for p in prompts(n, inp, vocab, 6 if mixed else 5):  # no prefix hits between windows
+            eng.add_request(llm.engine.make_request(p, SamplingParams(temperature=0, max_tokens=64,
+                                                                      ignore_eos=True)))
+        budget = llm.config.scheduler.max_num_batched_tokens
+        warm = 2 if mixed else -(-n * inp // budget) + 4  # decode window: after the last prefill
+        for _ in range(warm):
             eng.step()
         torch.cuda.synchronize()
-    while eng.has_unfinished():
-        eng.step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        while eng.has_work():
+            eng.step()
     return busy_fraction(prof), prof
 
 

@@ -49,24 +49,11 @@ def model_folder(model: str, num_layers: int | None) -> str:
     return out
 
 
-def is_decode_only(plan) -> bool:
-    plans = getattr(plan, "plans", [plan])
-    return all(r.num_computed_tokens > 0 and len(r.token_ids) == 1
-               for p in plans for r in p.requests)
-
-
-def record_steps(llm) -> list:
-    """Wrap the executor: (decode-only?, tokens, seconds) per step."""
-    ex, log = llm.engine.core.executor, []
-    inner = ex.execute
-
-    def timed(plan):
-        t = time.perf_counter()
-        res = inner(plan)
-        log.append((is_decode_only(plan), plan.num_tokens, time.perf_counter() - t))
-        return res
-    ex.execute = timed
-    return log
+def decode_steps(llm, since: list[int] | None = None) -> list[list]:
+    """Each engine core's decode-only steps, (tokens, seconds), after the `since` counts."""
+    cores = range(llm.engine.coordinator.num_cores)
+    since = since or [0] * len(cores)
+    return [llm.engine.call("decode_step_log", since[c], core=c) for c in cores]
 
 
 def run_one(path: str, args, n: int, **layout) -> dict:
@@ -78,19 +65,21 @@ def run_one(path: str, args, n: int, **layout) -> dict:
     vocab = llm.config.model.vocab_size
     llm.generate(prompts(vocab, n, args.input_len, 7),  # warm-up at the same batch shapes
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    log = record_steps(llm)
+    since = [len(steps) for steps in decode_steps(llm)]
     t = time.perf_counter()
     outs = llm.generate(prompts(vocab, n, args.input_len, 0),
                         SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True),
                         use_tqdm=False)
     elapsed = time.perf_counter() - t
+    per_core = decode_steps(llm, since)
     llm.shutdown()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    dec = [(tok, dt) for decode, tok, dt in log if decode]
-    dec_tok, dec_s = sum(x[0] for x in dec), sum(x[1] for x in dec)
+    dec = [step for steps in per_core for step in steps]
+    # the cores step side by side: decode tokens/s is the sum of each core's rate
+    dec_tok_s = sum(sum(x[0] for x in steps) / sum(x[1] for x in steps) for steps in per_core if steps)
     return dict(layout=layout_name(layout), batch=n, elapsed_s=round(elapsed, 3),
                 output_tok_s=round(n_out / elapsed, 1),
-                decode_tok_s=round(dec_tok / dec_s, 1) if dec_s else None,
+                decode_tok_s=round(dec_tok_s, 1) if dec else None,
                 decode_step_ms=round(1e3 * float(np.median([x[1] for x in dec])), 2) if dec else None)
 
 

@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 import torch
+
+os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")  # step timings read the core here
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -185,7 +187,7 @@ def consumer_side(args, conn):
     llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:64]}],
                  SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
     worker = llm.engine.core.executor.driver.runner.kv_connector  # rank 0's connector (in this process)
-    steps, rows = record_steps(llm.engine), []
+    steps, rows = record_steps(llm.engine.core), []
     for i in range(args.requests):
         conn.send(i)
         params = conn.recv()
@@ -266,29 +268,28 @@ def itl_decode_loop(llm, args, arrive, ready):
     just arrived). Runs until every long prompt has its first token and the decodes made
     --decode-tokens tokens. Returns the times (s) of the steps that advanced the decodes."""
     from longserve import SamplingParams
-    eng = llm.engine
     room = llm.config.scheduler.max_model_len - 8
-    decodes = [eng.make_request({"prompt_token_ids": [5 + i, 6, 7, 8]}, SamplingParams(
-        temperature=0, max_tokens=room, ignore_eos=True)) for i in range(args.decodes)]
-    for r in decodes:
-        eng.add_request(r)
-    while any(r.num_computed_tokens == 0 for r in decodes):
-        eng.step()
-    longs, times, step = [], [], 0
-    while step < args.decode_tokens or len(longs) < args.long_prompts or not all(r.is_finished for r in longs):
-        if step % args.interval == 0 and step // args.interval < args.long_prompts:
-            arrive(step // args.interval)
-        for req in ready():
-            eng.add_request(req)
-            longs.append(req)
-        before = [len(r.output_token_ids) for r in decodes]
-        t = time.perf_counter()
-        eng.step()
-        if any(len(r.output_token_ids) > b for r, b in zip(decodes, before)):
-            times.append(time.perf_counter() - t)
-        step += 1
-    for r in decodes:
-        eng.abort_request(r.request_id)
+    with llm.engine.client.paused() as core:  # this thread steps the core
+
+        def add(req):
+            core.add_request(req)
+            return core.scheduler.requests[req.request_id]
+        decodes = [add(llm.engine.make_request({"prompt_token_ids": [5 + i, 6, 7, 8]}, SamplingParams(
+            temperature=0, max_tokens=room, ignore_eos=True))) for i in range(args.decodes)]
+        while any(r.num_computed_tokens == 0 for r in decodes):
+            core.step()
+        longs, times, step = [], [], 0
+        while step < args.decode_tokens or len(longs) < args.long_prompts or not all(r.is_finished for r in longs):
+            if step % args.interval == 0 and step // args.interval < args.long_prompts:
+                arrive(step // args.interval)
+            longs += [add(req) for req in ready()]
+            before = [len(r.output_token_ids) for r in decodes]
+            t = time.perf_counter()
+            core.step()
+            if any(len(r.output_token_ids) > b for r, b in zip(decodes, before)):
+                times.append(time.perf_counter() - t)
+            step += 1
+        core.abort_requests([r.request_id for r in decodes])
     return times
 
 
@@ -335,7 +336,7 @@ def itl_decoder(args, peer, result):
         assert peer.recv() == "ready"
     t0 = time.perf_counter()
     times = itl_decode_loop(llm, args, arrive, ready)
-    result.send((times, time.perf_counter() - t0, eng.stats()))
+    result.send((times, time.perf_counter() - t0, llm.engine.core_stats()))
     if peer:
         peer.send("stop")
     llm.shutdown()

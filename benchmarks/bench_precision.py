@@ -34,6 +34,9 @@ import time
 
 import torch
 
+# teacher forcing steps the engine core itself: in this process, on the caller's thread
+os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")
+
 ROWS = {  # name -> how it runs (LongServe rows: mode prefill = prompt_logprobs of the whole sequence)
     "hf-bf16": dict(engine="hf", dtype="bfloat16"),
     "hf-fp32": dict(engine="hf", dtype="float32"),
@@ -170,6 +173,7 @@ def run_longserve(path, seqs, prompt_lens, row, args, k):
     from longserve import LLM, SamplingParams
     llm = LLM(path, dtype=row["dtype"], device=args.device, enforce_eager=row["eager"],
               max_model_len=args.max_model_len, max_num_seqs=max(len(seqs), 8),  # fewer graphs
+              async_scheduling=False,  # teacher forcing rewrites each step's token before the next
               **row.get("parallel", {}))
     try:
         if row["mode"] == "prefill":
@@ -187,21 +191,21 @@ def teacher_forced_decode(engine, seqs, prompt_lens, k):
     The prompt's positions come from prompt_logprobs, the continuation's from each step's
     logprobs (the prefill scores the first, decode steps -- CUDA graphs -- the rest)."""
     from longserve import SamplingParams
-    reqs = []
-    for s, n in zip(seqs, prompt_lens):
-        params = SamplingParams(temperature=0, max_tokens=len(s) - n, ignore_eos=True, logprobs=k,
-                                prompt_logprobs=k)
-        reqs.append(engine.make_request({"prompt_token_ids": s[:n]}, params))
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        engine.step()
-        for r, s, n in zip(reqs, seqs, prompt_lens):
-            if r.output_token_ids:
-                j = len(r.output_token_ids) - 1
-                r.output_token_ids[j] = s[n + j]
-    outs = [engine.to_output(r) for r in reqs]
-    return [o.prompt_logprobs[1:] + o.outputs[0].logprobs for o in outs]
+    with engine.client.paused() as core:  # this thread steps the core
+        reqs = []
+        for s, n in zip(seqs, prompt_lens):
+            params = SamplingParams(temperature=0, max_tokens=len(s) - n, ignore_eos=True,
+                                    logprobs=k, prompt_logprobs=k)
+            req = engine.make_request({"prompt_token_ids": s[:n]}, params)
+            core.add_request(req)
+            reqs.append(core.scheduler.requests[req.request_id])
+        while core.has_work():
+            core.step()
+            for r, s, n in zip(reqs, seqs, prompt_lens):
+                if r.output_token_ids:
+                    j = len(r.output_token_ids) - 1
+                    r.output_token_ids[j] = s[n + j]
+    return [list(r.prompt_logprobs) + list(r.logprobs) for r in reqs]  # positions 1...
 
 
 def compare(ref: torch.Tensor, targets: list[int], entries: list[dict[int, float]]) -> dict:

@@ -120,10 +120,12 @@ def test_killed_core_of_expert_dp_fails_every_request(models):
     cores = list(llm.engine.client.procs.values())
     os.kill(cores[1].pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="engine core 1 died"):
+    # whichever is seen first: core 1's death, or core 0 failing as its peer went away
+    dead = r"engine core (1 died|0 failed)"
+    with pytest.raises(RuntimeError, match=dead):
         llm.generate(prompts(), SamplingParams(max_tokens=20), use_tqdm=False)
     assert time.monotonic() - start < 30
-    with pytest.raises(RuntimeError, match="engine core 1 died"):
+    with pytest.raises(RuntimeError, match=dead):
         llm.generate(prompts(), SamplingParams(max_tokens=20), use_tqdm=False)
     llm.shutdown()
     assert all(p.poll() is not None for p in cores)

@@ -10,6 +10,7 @@ it aborts a request whose stop string appeared. Nothing here knows of sockets or
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from longserve.config import EngineConfig
 from longserve.engine.executor import Executor
@@ -40,6 +41,7 @@ class EngineCore:
             self.scheduler.connector = self.kv_connector
         self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
         self._num_sent: dict[str, int] = {}  # output tokens already reported, per request
+        self.decode_steps: deque = deque(maxlen=100_000)  # (tokens, seconds) of decode-only steps
         self.load_s = time.perf_counter() - t0
 
     # ---- requests ---------------------------------------------------------------------
@@ -65,7 +67,15 @@ class EngineCore:
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
         """One scheduled step. `lockstep`: expert models' DP ranks run a forward every step,
         a dummy one when this rank has nothing planned."""
+        t = time.perf_counter()
         out = self.scheduler.schedule()
+        outputs = self._step(out, lockstep)
+        if out.requests and all(r.num_computed_tokens > 0 and len(r.token_ids) == 1
+                                for r in out.requests):  # decode only: its period (benchmarks)
+            self.decode_steps.append((out.num_tokens, time.perf_counter() - t))
+        return outputs
+
+    def _step(self, out, lockstep: bool) -> list[EngineCoreOutput]:
         transfers = self.scheduler.has_kv_transfers()
         idle = out.is_empty and not out.finished_req_ids and not transfers and not lockstep
         if self.config.scheduler.async_scheduling:
@@ -170,6 +180,10 @@ class EngineCore:
             if hasattr(self.kv_connector, name):
                 s[f"kv_connector_{name}"] = getattr(self.kv_connector, name)
         return s
+
+    def decode_step_log(self, start: int = 0) -> list[tuple[int, float]]:
+        """(tokens, seconds) of the decode-only steps since the `start`-th (benchmarks)."""
+        return list(self.decode_steps)[start:]
 
     def pool_state(self) -> dict:
         """Whether every KV block is back in the pool and no request is left (tests)."""
