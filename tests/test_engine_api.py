@@ -202,3 +202,17 @@ def test_builtin_models_run_in_each_dtype(name, dtype):
     out = llm.generate(["Once upon a time"], greedy(4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4
     assert next(llm.engine.core.executor.driver.runner.model.parameters()).dtype == getattr(torch, dtype)
+
+
+def test_warm_up_leaves_no_trace(llm, pool_whole):
+    """The start-up warm-up (on CUDA) runs real steps: afterwards the pool is whole, the
+    prefix cache and the counters are empty, and outputs are unchanged."""
+    prompts = [{"prompt_token_ids": [1, 5, 9, 13, 2]}]
+    want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    with llm.engine.client.paused() as core:
+        core._warm_up()
+        assert not core.kv.cached and not core.decode_steps
+        assert core.scheduler.num_prompt_tokens_computed == 0 == core.kv.num_cached_tokens_hit
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    pool_whole(llm)

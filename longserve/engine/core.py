@@ -42,7 +42,30 @@ class EngineCore:
         self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
         self._num_sent: dict[str, int] = {}  # output tokens already reported, per request
         self.decode_steps: deque = deque(maxlen=100_000)  # (tokens, seconds) of decode-only steps
+        if config.device == "cuda" and self.kv_connector is None and not config.dp_lockstep:
+            self._warm_up()
         self.load_s = time.perf_counter() - t0
+
+    def _warm_up(self) -> None:
+        """Run the step shapes of a light load once: a lone prompt, a prompt beside a decode,
+        a prefix hit. Triton compiles a kernel per specialization (a count of 1, a multiple
+        of 16) on its first use, ~0.5 s that would otherwise land in a request's TTFT."""
+        from longserve.sampling_params import SamplingParams
+        max_len = self.config.scheduler.max_model_len
+        n = max(2, min(300, max_len // 4))
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        prompts = [[7] * n, [8] * (n // 2 + 1), [7] * n + [9] * 3]
+        self.add_request(EngineCoreRequest("warm-up-0", prompts[0], params))
+        for _ in range(2):  # its prefill, then a decode
+            self.step()
+        for i, ids in enumerate(prompts[1:], 1):
+            self.add_request(EngineCoreRequest(f"warm-up-{i}", ids, params))
+        while self.has_work():
+            self.step()
+        self.kv.reset_prefix_cache()
+        self.scheduler.num_prompt_tokens_computed = 0
+        self.kv.num_cached_tokens_hit = self.kv.num_cached_tokens_queried = 0
+        self.decode_steps.clear()
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -144,7 +167,10 @@ class EngineCore:
 
     def failure_reason(self, e: BaseException) -> str:
         """Why the loop died: the executor's account (a dead or lagging rank) if it has one."""
-        return self.executor.failure or f"{type(e).__name__}: {e}"
+        failure = self.executor.failure
+        if failure and not str(e).startswith(failure):  # e.g. gloo's "connection reset"
+            return failure
+        return str(e) if failure else f"{type(e).__name__}: {e}"
 
     def dp_any_unfinished(self) -> bool:
         """Lockstep DP: whether any DP rank still has requests (one all-reduce over the DP
