@@ -51,15 +51,15 @@ class EngineCore:
         a prefix hit. Triton compiles a kernel per specialization (a count of 1, a multiple
         of 16) on its first use, ~0.5 s that would otherwise land in a request's TTFT."""
         from longserve.sampling_params import SamplingParams
-        max_len = self.config.scheduler.max_model_len
-        n = max(2, min(300, max_len // 4))
+        n = max(16, min(1024, self.config.scheduler.max_model_len // 2) // 16 * 16)
         params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        prompts = [[7] * n, [8] * (n // 2 + 1), [7] * n + [9] * 3]
-        self.add_request(EngineCoreRequest("warm-up-0", prompts[0], params))
-        for _ in range(2):  # its prefill, then a decode
-            self.step()
-        for i, ids in enumerate(prompts[1:], 1):
-            self.add_request(EngineCoreRequest(f"warm-up-{i}", ids, params))
+        # token counts that are and are not multiples of 16 (Triton specializes on both)
+        rounds = [[[7] * n], [[8] * (n // 2 + 1), [7] * n + [9] * 3], [[9] * 16, [5] * 33]]
+        for r, prompts in enumerate(rounds):
+            for i, ids in enumerate(prompts):
+                self.add_request(EngineCoreRequest(f"warm-up-{r}-{i}", ids, params))
+            for _ in range(2):  # their prefill, then a decode beside the next round's
+                self.step()
         while self.has_work():
             self.step()
         self.kv.reset_prefix_cache()
