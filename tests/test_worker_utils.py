@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from longserve.config import CacheConfig, ParallelConfig
-from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
+from longserve.attention.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
                                             KVCacheGroupSpec, MultipleOf)
 from longserve.worker.utils import (KVBlockZeroer, MemorySnapshot, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp, prepare_kernel_block_sizes,

@@ -24,9 +24,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longserve.attention.cp_attention import correct_attn_out, merge_attn_states
+from longserve.attention.kv_cache_spec import MultipleOf
 from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
-from longserve.worker.host_to_device import to_device
-from longserve.worker.kv_cache_spec import MultipleOf
+from longserve.host_to_device import to_device
 
 
 class Attention(nn.Module):

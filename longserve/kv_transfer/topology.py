@@ -5,7 +5,7 @@ One instance's KV placement (docs/architecture.md "Rank layout"):
 - model ranks are `pcp x tp` (rank = pcp_rank * tp + tp_rank); CP rank = pcp_rank * dcp +
   tp_rank % dcp; W = pcp * dcp KV shards;
 - position p is stored by CP rank (p // I) % W (I = interleave), in block
-  block_ids[p // (B * W)] at the offset of worker/block_table.py;
+  block_ids[p // (B * W)] at the offset of longserve/cp_slot_mapping.py;
 - KV heads: the tp/dcp head groups each own num_kv_heads/(tp/dcp) heads (one replicated
   head when there are fewer heads than groups), as models/layers.py kv_head_range.
 So a local rank needs, for each of its heads h and each position p it stores, the remote

@@ -9,21 +9,21 @@ import numpy as np
 import torch
 
 from longserve.attention.backends import TorchAttentionBackend, TritonAttentionBackend
+from longserve.attention.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
+                                               KVCacheGroupSpec)
 from longserve.attention.metadata import AttentionMetadata, PagedPart
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import ParallelState
+from longserve.host_to_device import to_device
 from longserve.kv_transfer.base import build_worker_connector, connector_output
 from longserve.kv_transfer.utils import KVConnectorOutput
-from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.models.loader import build_model
 from longserve.sampling_params import SamplingParams
+from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibility
 from longserve.worker.dp_step import run_coordinated, run_dummy_step
-from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec)
 from longserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_unsupported
 from longserve.worker.sampler import Sampler, prompt_logprobs
-from longserve.worker.host_to_device import to_device
 from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from longserve.attention.kv_cache_spec import AttentionGroup, KVCacheConfig, KVCacheGroupSpec, MultipleOf
 from longserve.config import CacheConfig, ParallelConfig, parse_dtype
-from longserve.worker.kv_cache_spec import AttentionGroup, KVCacheConfig, KVCacheGroupSpec, MultipleOf
 
 try:  # Triton is optional: CPU-only installs zero blocks with torch ops
     import triton
