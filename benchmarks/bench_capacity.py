@@ -14,12 +14,16 @@ their decode steps; --model builtin:llama3-8b-1kv-shape is the shape where DCP s
     python benchmarks/bench_capacity.py --tokens 131072 --pcp 1 --tp 2 --dcp 2 --model builtin:llama3-8b-1kv-shape
 """
 import argparse
+import os
 import time
 
 import numpy as np
 import torch
 
-from longserve import LLM, SamplingParams
+# the step timer steps the engine core itself: in this process, on this thread
+os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")
+
+from longserve import LLM, SamplingParams  # noqa: E402
 
 PARAMS, LAYERS, HEADS, HEAD_DIM = 8.03e9, 32, 32, 128
 
@@ -32,6 +36,26 @@ def kv_share(num_kv_heads: int, tp: int, dcp: int, pcp: int) -> float:
     return heads / num_kv_heads / (pcp * dcp)
 
 
+def prefill_and_decode(engine, core, prompt, decode: int):
+    """Step the core through the prompt's chunks, then its decode steps; (request, prefill
+    seconds, decode step seconds)."""
+    req = engine.make_request(prompt, SamplingParams(max_tokens=decode, ignore_eos=True))
+    core.add_request(req)
+    req = core.scheduler.requests[req.request_id]
+    t0, prefill_s, step_times = time.perf_counter(), None, []
+    while core.has_work():
+        t = time.perf_counter()
+        core.step()
+        if prefill_s is None and req.output_token_ids:
+            prefill_s = time.perf_counter() - t0
+        elif prefill_s is None:
+            print(f"  prefilled {req.num_computed_tokens} tokens at {t - t0:.1f} s "
+                  f"(step {time.perf_counter() - t:.2f} s)", flush=True)
+        elif len(req.output_token_ids) > 1:
+            step_times.append(time.perf_counter() - t)
+    return req, prefill_s, step_times
+
+
 def run(args, kv_cache_dtype: str) -> float:
     s = args.tokens
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_num_seqs=1,
@@ -40,23 +64,12 @@ def run(args, kv_cache_dtype: str) -> float:
               tensor_parallel_size=args.tp, decode_context_parallel_size=args.dcp,
               enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
     cfg = llm.config.model
-    model = llm.engine.executor.driver.runner.model  # rank 0's share of the weights
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     prompt = {"prompt_token_ids": np.random.default_rng(0).integers(100, 128000, s).tolist()}
-    eng = llm.engine
-    req = eng.make_request(prompt, SamplingParams(max_tokens=args.decode, ignore_eos=True))
-    eng.add_request(req)
-    t0 = time.perf_counter()
-    step_times = []
-    while eng.has_unfinished():
-        t = time.perf_counter()
-        eng.step()
-        if req.first_token_time is None:
-            print(f"  prefilled {req.num_computed_tokens} tokens at {t - t0 + 0:.1f} s "
-                  f"(step {time.perf_counter() - t:.2f} s)", flush=True)
-        if req.output_token_ids and req.first_token_time is not None and len(req.output_token_ids) > 1:
-            step_times.append(time.perf_counter() - t)
-    prefill_s = req.first_token_time - t0
+    with llm.engine.client.paused() as core:  # this thread steps the engine core
+        model = core.executor.driver.runner.model  # rank 0's share of the weights
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        pool_tokens = core.kv.num_blocks * core.kv.tokens_per_block
+        req, prefill_s, step_times = prefill_and_decode(llm.engine, core, prompt, args.decode)
     ranks = args.pcp * args.tp
     flops = 2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS
     elem = 1 if kv_cache_dtype == "fp8" else 2
@@ -73,7 +86,7 @@ def run(args, kv_cache_dtype: str) -> float:
           f"({rank_kv / 2**30:.1f} GiB KV + {weight_bytes / 2**30:.1f} GiB weights a rank at "
           f"{args.bw / 1e12:.1f} TB/s): {step_ms / floor_ms:.2f}x")
     print(f"KV of the prompt: {kv_bytes / 2**30:.1f} GiB in all, {rank_kv / 2**30:.1f} GiB per rank; "
-          f"one GPU has {gpu_mem / 2**30:.0f} GiB; the pool holds {eng.kv.num_blocks * eng.kv.tokens_per_block} tokens")
+          f"one GPU has {gpu_mem / 2**30:.0f} GiB; the pool holds {pool_tokens} tokens")
     llm.shutdown()
     return step_ms
 

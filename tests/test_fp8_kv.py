@@ -23,6 +23,7 @@ from longserve.config import CacheConfig
 from longserve.kv_transfer.p2p import P2pConnectorWorker
 from longserve.kv_transfer.topology import KVLayout, KVPiece, plan_kv_pieces
 from longserve.models.builtin import resolve_model
+from conftest import assert_pool_whole
 from pd_utils import Producer
 
 PROMPTS = [[(7 * i + 3) % 400 + 5 for i in range(37)], [(11 * i + 1) % 400 + 5 for i in range(70)],
@@ -48,9 +49,8 @@ def assert_close_tokens(got, ref):
 def run(model, rounds=1, **kw):
     with LLM(model, device="cpu", max_model_len=256, **kw) as llm:
         out = greedy(llm, rounds=rounds)
-        kv = llm.engine.kv
-        assert kv.num_free_blocks == kv.num_blocks and not llm.engine.scheduler.has_unfinished()
-        return out, kv.num_cached_tokens_hit
+        assert_pool_whole(llm)
+        return out, llm.engine.core.kv.num_cached_tokens_hit
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,8 @@ def test_fp8_cache_holds_twice_the_tokens():
     for d in ("auto", "fp8"):
         with LLM("builtin:llama-tiny", device="cpu", dtype="bfloat16", kv_cache_dtype=d,
                  cpu_kv_cache_gb=0.001) as llm:
-            blocks[d] = llm.engine.kv.num_blocks
-            assert llm.engine.executor.driver.runner.kv_caches[0].element_size() == (1 if d == "fp8" else 2)
+            blocks[d] = llm.engine.num_blocks
+            assert llm.engine.core.executor.driver.runner.kv_caches[0].element_size() == (1 if d == "fp8" else 2)
     assert blocks["fp8"] == 2 * blocks["auto"]
 
 
@@ -151,12 +151,12 @@ def test_checkpoint_scales_are_used(tmp_path):
     save_file(w, dst / "model.safetensors")
     ref = run("builtin:llama-tiny")[0]
     with LLM(str(dst), device="cpu", kv_cache_dtype="fp8") as llm:
-        attn = llm.engine.executor.driver.runner.model.attention_layers()
+        attn = llm.engine.core.executor.driver.runner.model.attention_layers()
         assert torch.equal(attn[0].kv_scale[0], torch.tensor([0.0625, 0.0625]))
         assert torch.equal(attn[1].kv_scale[1], torch.tensor([0.25, 0.5]))
         assert_close_tokens(greedy(llm), ref)
     with LLM(str(dst), device="cpu") as llm:
-        assert llm.engine.executor.driver.runner.model.attention_layers()[0].kv_scale is None
+        assert llm.engine.core.executor.driver.runner.model.attention_layers()[0].kv_scale is None
     w["model.layers.1.self_attn.v_scale"] = torch.tensor([0.25, 0.5, 1.0])
     save_file(w, dst / "model.safetensors")
     with pytest.raises(ValueError, match="v_scale"):
@@ -188,9 +188,9 @@ def test_cpu_offload_moves_the_fp8_bytes(pool_whole):
     with LLM("builtin:llama-tiny", **kw) as big:
         want = [greedy(big, [p])[0][0] for _ in range(2) for p in PROMPTS]
     with LLM("builtin:llama-tiny", num_gpu_blocks=28, kv_offload_gb=0.001, **kw) as off:
-        assert off.engine.executor.driver.runner.kv_bytes_per_block() == 512  # 2 x 4 x 2 x 16 x 1 B x 2 layers
+        assert off.engine.core.executor.driver.runner.kv_bytes_per_block() == 512  # 2 x 4 x 2 x 16 x 1 B x 2 layers
         got = [greedy(off, [p])[0][0] for _ in range(2) for p in PROMPTS]
-        assert off.engine.stats()["kv_connector_num_loaded_tokens"] > 0
+        assert off.engine.core_stats()["kv_connector_num_loaded_tokens"] > 0
         pool_whole(off)
     assert got == want
 
@@ -208,7 +208,7 @@ def test_pd_transfer(reference, pool_whole):
         with LLM("builtin:llama-tiny", device="cpu", max_model_len=256, kv_cache_dtype="fp8",
                  tensor_parallel_size=2, kv_transfer_config=kvt) as cons:
             got = [greedy(cons, [p], extra_args={"kv_transfer_params": q})[0] for p, q in zip(PROMPTS, params)]
-            assert cons.engine.stats()["kv_connector_num_loaded_tokens"] == sum(len(p) - 1 for p in PROMPTS)
+            assert cons.engine.core_stats()["kv_connector_num_loaded_tokens"] == sum(len(p) - 1 for p in PROMPTS)
             pool_whole(cons)
         assert_close_tokens(got, reference[:len(PROMPTS)])
         with LLM("builtin:llama-tiny", device="cpu", max_model_len=256, kv_transfer_config=kvt) as plain:
