@@ -167,7 +167,8 @@ def test_checkpoint_scales_are_used(tmp_path):
 LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
     "pcp2-chunked-prefix-hits": dict(prefill_context_parallel_size=2, max_num_batched_tokens=16),
-    "tp2-dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+    "tp2-dcp2-chunked": dict(tensor_parallel_size=2, decode_context_parallel_size=2,
+                             max_num_batched_tokens=16),
 }
 
 
