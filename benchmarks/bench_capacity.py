@@ -1,55 +1,112 @@
-"""Capacity: a prompt whose KV cache does not fit on one GPU, prefilled and decoded with PCP.
+"""Capacity and long-context decode: one long prompt, prefilled, then decoded; the decode step
+against its bytes floor.
 
 Default: Llama-3-8B shape (random weights, bf16), a 1M-token prompt on 4 GPUs with pcp=4,
 chunked prefill over the sharded cache (--chunk tokens a step), then --decode tokens.
-Prints the prefill time and TFLOP/s per GPU (FLOPs as in bench_prefill.py), the decode step
-time, and the KV bytes each rank holds against one GPU's memory.
+Prints the prefill time and TFLOP/s per GPU (FLOPs as in bench_prefill.py), the median decode
+step, and its floor: the bytes one rank reads a step (the weights, split by TP and whole on
+every PCP / DCP rank, plus its share of the KV) at --bw bytes/s.
+
+--kv-cache-dtype auto,fp8 runs each in turn (a fresh engine each) and prints the ratio of
+their decode steps; --model builtin:llama3-8b-1kv-shape is the shape where DCP should win:
+
+    python benchmarks/bench_capacity.py --tokens 131072 --pcp 1 --decode 48 --kv-cache-dtype auto,fp8
+    python benchmarks/bench_capacity.py --tokens 131072 --pcp 1 --tp 2 --dcp 2 --model builtin:llama3-8b-1kv-shape
 """
 import argparse
+import os
 import time
 
 import numpy as np
 import torch
 
-from longserve import LLM, SamplingParams
+# the step timer steps the engine core itself: in this process, on this thread
+os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")
 
-PARAMS, LAYERS, HEADS, HEAD_DIM, KV_BYTES_PER_TOKEN = 8.03e9, 32, 32, 128, 32 * 2 * 8 * 128 * 2
+from longserve import LLM, SamplingParams  # noqa: E402
+
+PARAMS, LAYERS, HEADS, HEAD_DIM = 8.03e9, 32, 32, 128
+
+
+def kv_share(num_kv_heads: int, tp: int, dcp: int, pcp: int) -> float:
+    """The share of the KV one rank holds: its KV heads (replicated when fewer than the
+    tp / dcp head groups; models/layers.py kv_head_range) over its CP shard of the tokens."""
+    groups = tp // dcp
+    heads = num_kv_heads // groups if num_kv_heads >= groups else 1
+    return heads / num_kv_heads / (pcp * dcp)
+
+
+def prefill_and_decode(engine, core, prompt, decode: int):
+    """Step the core through the prompt's chunks, then its decode steps; (request, prefill
+    seconds, decode step seconds)."""
+    req = engine.make_request(prompt, SamplingParams(max_tokens=decode, ignore_eos=True))
+    core.add_request(req)
+    req = core.scheduler.requests[req.request_id]
+    t0, prefill_s, step_times = time.perf_counter(), None, []
+    while core.has_work():
+        t = time.perf_counter()
+        core.step()
+        if prefill_s is None and req.output_token_ids:
+            prefill_s = time.perf_counter() - t0
+        elif prefill_s is None:
+            print(f"  prefilled {req.num_computed_tokens} tokens at {t - t0:.1f} s "
+                  f"(step {time.perf_counter() - t:.2f} s)", flush=True)
+        elif len(req.output_token_ids) > 1:
+            step_times.append(time.perf_counter() - t)
+    return req, prefill_s, step_times
+
+
+def run(args, kv_cache_dtype: str) -> float:
+    s = args.tokens
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_num_seqs=1,
+              max_model_len=s + args.decode + 64, max_num_batched_tokens=args.chunk,
+              enable_prefix_caching=False, prefill_context_parallel_size=args.pcp,
+              tensor_parallel_size=args.tp, decode_context_parallel_size=args.dcp,
+              enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
+    cfg = llm.config.model
+    prompt = {"prompt_token_ids": np.random.default_rng(0).integers(100, 128000, s).tolist()}
+    with llm.engine.client.paused() as core:  # this thread steps the engine core
+        model = core.executor.driver.runner.model  # rank 0's share of the weights
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        pool_tokens = core.kv.num_blocks * core.kv.tokens_per_block
+        req, prefill_s, step_times = prefill_and_decode(llm.engine, core, prompt, args.decode)
+    ranks = args.pcp * args.tp
+    flops = 2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS
+    elem = 1 if kv_cache_dtype == "fp8" else 2
+    kv_bytes = s * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    rank_kv = kv_bytes * kv_share(cfg.num_kv_heads, args.tp, args.dcp, args.pcp)
+    floor_ms = 1e3 * (weight_bytes + rank_kv) / args.bw
+    step_ms = 1e3 * float(np.median(step_times))
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory
+    print(f"device: {torch.cuda.get_device_name()} x {ranks} (pcp={args.pcp}, tp={args.tp}, "
+          f"dcp={args.dcp}), {args.model}, kv_cache_dtype={kv_cache_dtype}, "
+          f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
+    print(f"prompt {s} tokens: prefill {prefill_s:.2f} s, {flops / prefill_s / ranks / 1e12:.0f} TFLOP/s per GPU")
+    print(f"decode: {len(req.output_token_ids)} tokens, median step {step_ms:.2f} ms; floor {floor_ms:.2f} ms "
+          f"({rank_kv / 2**30:.1f} GiB KV + {weight_bytes / 2**30:.1f} GiB weights a rank at "
+          f"{args.bw / 1e12:.1f} TB/s): {step_ms / floor_ms:.2f}x")
+    print(f"KV of the prompt: {kv_bytes / 2**30:.1f} GiB in all, {rank_kv / 2**30:.1f} GiB per rank; "
+          f"one GPU has {gpu_mem / 2**30:.0f} GiB; the pool holds {pool_tokens} tokens")
+    llm.shutdown()
+    return step_ms
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:llama3-8b-shape")
     ap.add_argument("--tokens", type=int, default=1 << 20)
     ap.add_argument("--pcp", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dcp", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=65536)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="a comma list: auto, fp8")
+    ap.add_argument("--bw", type=float, default=4.2e12, help="HBM bytes/s for the floor (H200: 4.2e12)")
     args = ap.parse_args()
-    s = args.tokens
-    llm = LLM("builtin:llama3-8b-shape", load_format="dummy", dtype="bfloat16", max_num_seqs=1,
-              max_model_len=s + args.decode + 64, max_num_batched_tokens=args.chunk,
-              enable_prefix_caching=False, prefill_context_parallel_size=args.pcp)
-    prompt = {"prompt_token_ids": np.random.default_rng(0).integers(100, 128000, s).tolist()}
-    eng = llm.engine
-    req = eng.make_request(prompt, SamplingParams(max_tokens=args.decode, ignore_eos=True))
-    eng.add_request(req)
-    t0 = time.perf_counter()
-    step_times = []
-    while eng.has_unfinished():
-        t = time.perf_counter()
-        eng.step()
-        if req.first_token_time is None:
-            print(f"  prefilled {req.num_computed_tokens} tokens at {t - t0 + 0:.1f} s "
-                  f"(step {time.perf_counter() - t:.2f} s)", flush=True)
-        if req.output_token_ids and req.first_token_time is not None and len(req.output_token_ids) > 1:
-            step_times.append(time.perf_counter() - t)
-    prefill_s = req.first_token_time - t0
-    flops = 2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS
-    gpu_mem = torch.cuda.get_device_properties(0).total_memory
-    print(f"device: {torch.cuda.get_device_name()} x {args.pcp} (pcp)")
-    print(f"prompt {s} tokens: prefill {prefill_s:.1f} s, {flops / prefill_s / args.pcp / 1e12:.0f} TFLOP/s per GPU")
-    print(f"decode: {len(req.output_token_ids)} tokens, median step {1e3 * float(np.median(step_times)):.1f} ms")
-    print(f"KV of the prompt: {s * KV_BYTES_PER_TOKEN / 2**30:.0f} GiB in all, "
-          f"{s * KV_BYTES_PER_TOKEN / args.pcp / 2**30:.0f} GiB per rank; one GPU has {gpu_mem / 2**30:.0f} GiB")
-    llm.shutdown()
+    steps = {d: run(args, d) for d in args.kv_cache_dtype.split(",")}
+    if {"auto", "fp8"} <= set(steps):
+        print(f"fp8 / bf16 decode step: {steps['fp8'] / steps['auto']:.3f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from longserve.worker.kv_cache_spec import AttentionGroup, AttentionSpec
+from longserve.attention.kv_cache_spec import AttentionGroup, AttentionSpec
 from longserve.worker.utils import KVBlockZeroer
 
 

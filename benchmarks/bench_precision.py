@@ -13,10 +13,12 @@ next-token distribution is compared with the reference's:
 - |d logprob| of the reference token (the one the sequence continues with), max and mean.
 
 Rows: HF bf16 on the GPU (the peer), LongServe bf16 eager, bf16 decode with CUDA graphs,
-pcp=2, float32 (no TF32 anywhere). LongServe scores positions with `prompt_logprobs` (one
+pcp=2, float32 (no TF32 anywhere), and the FP8 KV cache (`fp8kv`) in bf16 and float32. LongServe scores positions with `prompt_logprobs` (one
 prefill of the whole sequence), except the `decode` rows: they prefill the prompt and then
 force the reference continuation through decode steps (CUDA graphs when not eager), reading
-each step's `logprobs` -- prefill never runs a graph, so only that path measures them.
+each step's `logprobs` -- prefill never runs a graph, so only that path measures them. The
+prefill attends to its own new K/V before they are stored, so an FP8 cache shows in the
+decode rows' continuation columns ("cont."): there every K and V is read back from the cache.
 
     python benchmarks/bench_precision.py --model smollm2            # or a .gguf path / HF folder
     python benchmarks/bench_precision.py --model builtin:llama-tiny --device cpu --num-prompts 4 \
@@ -49,6 +51,14 @@ ROWS = {  # name -> how it runs (LongServe rows: mode prefill = prompt_logprobs 
     "longserve-fp32": dict(engine="longserve", dtype="float32", eager=True, mode="prefill"),
     "longserve-fp32-graphs-decode": dict(engine="longserve", dtype="float32", eager=False,
                                          mode="decode"),
+    # FP8 KV cache: only the continuation (decode steps) reads every K/V through the cache,
+    # so compare its "(cont.)" columns with the same row without fp8kv
+    "longserve-bf16-fp8kv-eager-decode": dict(engine="longserve", dtype="bfloat16", eager=True,
+                                              mode="decode", kv_cache_dtype="fp8"),
+    "longserve-bf16-fp8kv-graphs-decode": dict(engine="longserve", dtype="bfloat16", eager=False,
+                                               mode="decode", kv_cache_dtype="fp8"),
+    "longserve-fp32-fp8kv-graphs-decode": dict(engine="longserve", dtype="float32", eager=False,
+                                               mode="decode", kv_cache_dtype="fp8"),
 }
 
 PLAIN = [
@@ -174,7 +184,7 @@ def run_longserve(path, seqs, prompt_lens, row, args, k):
     llm = LLM(path, dtype=row["dtype"], device=args.device, enforce_eager=row["eager"],
               max_model_len=args.max_model_len, max_num_seqs=max(len(seqs), 8),  # fewer graphs
               async_scheduling=False,  # teacher forcing rewrites each step's token before the next
-              **row.get("parallel", {}))
+              kv_cache_dtype=row.get("kv_cache_dtype", "auto"), **row.get("parallel", {}))
     try:
         if row["mode"] == "prefill":
             params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k)

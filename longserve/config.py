@@ -193,6 +193,10 @@ def moe_fields(arch: str, hf: dict) -> dict:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), moe_layers=layers)
 
 
+# kv_cache_dtype -> the cache's element type ("auto": the model's dtype)
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -202,6 +206,14 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 256 << 20
     # Set by the worker after sizing (or by the user, to force a small pool).
     num_blocks: int | None = None
+    # "fp8" (= "fp8_e4m3"): K and V stored as float8 e4m3 with per-head scales
+    # (models/kv_scales.py), 1 byte an element; "auto": the model's dtype
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass
@@ -338,3 +350,8 @@ class EngineConfig:
     def dp_lockstep(self) -> bool:
         """Expert layers span the DP ranks: the cores step together (waves, dummy steps)."""
         return self.model.is_moe and self.parallel.data_parallel_size > 1
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type."""
+        return KV_CACHE_DTYPES[self.cache.kv_cache_dtype] or self.dtype

@@ -101,7 +101,8 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                         data_parallel_size_local: int | None = None,
                         data_parallel_start_rank: int = 0,
                         data_parallel_address: str = "127.0.0.1",
-                        data_parallel_rpc_port: int = 0) -> EngineConfig:
+                        data_parallel_rpc_port: int = 0,
+                        kv_cache_dtype: str = "auto") -> EngineConfig:
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be a folder path or 'builtin:<name>', got {type(model).__name__}")
     model = os.fspath(model)
@@ -127,7 +128,7 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
             torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype)
     max_model_len = resolve_max_model_len(max_model_len, model_cfg.max_position_embeddings)
     cache = CacheConfig(block_size, gpu_memory_utilization, enable_prefix_caching,
-                        int(cpu_kv_cache_gb * (1 << 30)), num_gpu_blocks)
+                        int(cpu_kv_cache_gb * (1 << 30)), num_gpu_blocks, kv_cache_dtype)
     parallel = ParallelConfig(tensor_parallel_size, prefill_context_parallel_size,
                               decode_context_parallel_size, data_parallel_size,
                               cp_kv_cache_interleave_size, enable_sequence_parallel,

@@ -4,7 +4,7 @@ import pytest
 
 from longserve import LLM, SamplingParams
 from longserve.attention.backends import TorchAttentionBackend
-from longserve.worker.kv_cache_spec import MultipleOf
+from longserve.attention.kv_cache_spec import MultipleOf
 
 
 def generate(**kw):

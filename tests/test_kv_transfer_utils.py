@@ -105,6 +105,22 @@ def test_replication():
     assert not d.is_kv_replicated("D")
 
 
+def test_one_kv_head_shape_tp2_replicates_and_tp2_dcp2_shards():
+    """llama3-8b-1kv-shape (the layout guide's case): at tp=2 both ranks hold the one head
+    and every token; at tp=2 x dcp=2 both hold the head and half the tokens each."""
+    from longserve.config import ModelConfig
+    from longserve.models.builtin import resolve_model
+    cfg = ModelConfig.from_pretrained(resolve_model("builtin:llama3-8b-1kv-shape"))
+    assert (cfg.num_kv_heads, cfg.num_heads, cfg.num_layers, cfg.hidden_size) == (1, 32, 32, 4096)
+    tp2, tp2dcp2 = KVLayout(1, 16, tp=2), KVLayout(1, 16, tp=2, dcp=2)
+    assert [tp2.heads(r) for r in (0, 1)] == [(0, 1), (0, 1)] and tp2.cp_size == 1
+    assert [tp2dcp2.heads(r) for r in (0, 1)] == [(0, 1), (0, 1)] and tp2dcp2.cp_size == 2
+    p = np.arange(64)
+    assert [int((tp2dcp2.owner(p) == tp2dcp2.cp_rank(r)).sum()) for r in (0, 1)] == [32, 32]
+    t = TpKVTopology(0, {}, False, 1, None, "D", {}, remote_layout={"D": tp2, "E": tp2dcp2})
+    assert t.is_kv_replicated("D") and not t.is_kv_replicated("E")
+
+
 def test_cp_pieces_producer_pcp2_to_consumer_tp2():
     prod, cons = KVLayout(4, 16, pcp=2), KVLayout(4, 16, tp=2)
     assert plan_kv_pieces(cons, prod, 1) == [KVPiece(1, 0, 0, 0, 0, 2, 2), KVPiece(1, 1, 0, 1, 0, 2, 2)]

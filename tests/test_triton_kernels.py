@@ -114,16 +114,31 @@ def make_attention_case(kv_lens, q_lens, Hkv, G, D, B, dtype, device, seed=0, pa
                 query_start_loc=qsl, kv_lens=lens, scale=D ** -0.5, max_query_len=max(q_lens))
 
 
+def fp8_case(case, seed=0):
+    """The case with its cache in float8 e4m3 (per-head scales near amax / 448, some heads'
+    values past 448 saturating): the kernel reads the FP8 cache and `kv_scale`, the
+    reference the same values dequantized."""
+    from longserve.attention.kv_quant import dequantize_kv, quantize_kv
+    gen = torch.Generator().manual_seed(seed)
+    k, v = case["k_cache"], case["v_cache"]
+    amax = torch.stack([k.abs().amax((0, 1, 3)), v.abs().amax((0, 1, 3))]).float().cpu()
+    kv_scale = (amax / 448 * (0.8 + 0.4 * torch.rand(amax.shape, generator=gen))).to(k.device)
+    quant = [quantize_kv(c.flatten(0, 1), s, torch.float8_e4m3fn).view(c.shape) for c, s in zip((k, v), kv_scale)]
+    deq = [dequantize_kv(c.flatten(0, 1), s, torch.float32).view(c.shape) for c, s in zip(quant, kv_scale)]
+    return dict(case, k_cache=quant[0], v_cache=quant[1], kv_scale=kv_scale), dict(case, k_cache=deq[0], v_cache=deq[1])
+
+
 def _tol(dtype):
     return {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
 
 
-def _check_attention(case, num_kv_splits=None, dtype=torch.float32):
+def _check_attention(case, num_kv_splits=None, dtype=torch.float32, ref_case=None):
+    """ref_case: what the reference reads instead (an FP8 case's dequantized cache)."""
     tk = _kernels()
     out, lse = tk.paged_attention_lse(**case, num_kv_splits=num_kv_splits)
     assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
     assert lse.dtype == torch.float32 and lse.shape == case["q"].shape[:2]
-    args = {k: v for k, v in case.items() if k != "max_query_len"}
+    args = {k: v for k, v in (ref_case or case).items() if k != "max_query_len"}
     ref_out, ref_lse = ref_paged_attention(**args)
     n = int(case["query_start_loc"][-1])  # rows past it (padding) are not written
     out, lse, ref_out, ref_lse = out[:n].double().cpu(), lse[:n].double().cpu(), ref_out[:n], ref_lse[:n]
@@ -141,7 +156,9 @@ def _check_attention(case, num_kv_splits=None, dtype=torch.float32):
 # checks (each raises on failure); run under the interpreter on CPU, or on the GPU
 # ----------------------------------------------------------------------------------------
 
-def check_store_kv(device="cpu", dtype=torch.float32, T=11, Hkv=2, D=16, B=4, N=6):
+def check_store_kv(device="cpu", dtype=torch.float32, T=11, Hkv=2, D=16, B=4, N=6, fp8=False):
+    """fp8: an FP8 cache, bit-equal to the torch reference's quantization (saturation too)."""
+    from longserve.attention.kv_quant import quantize_kv
     tk = _kernels()
     gen = torch.Generator().manual_seed(1)
     Hq = 2 * Hkv
@@ -152,14 +169,23 @@ def check_store_kv(device="cpu", dtype=torch.float32, T=11, Hkv=2, D=16, B=4, N=
     slots = torch.randperm(N * B, generator=gen)[:T]
     slots[[2, 5, T - 1]] = -1  # padding rows / tokens of another rank
     slots = slots.to(torch.int64).to(device)
-    kv_cache = torch.full((2, N, B, Hkv, D), 1234.5, dtype=dtype, device=device)  # poison
+    cache_dtype, kv_scale = dtype, None
+    if fp8:  # head 0's scale is small enough that some values saturate
+        cache_dtype = torch.float8_e4m3fn
+        kv_scale = (torch.rand(2, Hkv, generator=gen) * 0.02 + 0.001).to(device)
+        kv_scale[:, 0] = 0.002
+    kv_cache = torch.full((2, N, B, Hkv, D), 96.0, dtype=dtype, device=device).to(cache_dtype)  # poison
     expected = kv_cache.clone()
-    ref_store_kv(key, value, expected[0], expected[1], slots)
-    tk.store_kv(key, value, kv_cache[0], kv_cache[1], slots)
-    assert torch.equal(kv_cache, expected)
+    ref_store_kv(quantize_kv(key, None if kv_scale is None else kv_scale[0], cache_dtype),
+                 quantize_kv(value, None if kv_scale is None else kv_scale[1], cache_dtype),
+                 expected[0], expected[1], slots)
+    tk.store_kv(key, value, kv_cache[0], kv_cache[1], slots, kv_scale)
+    assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8))
+    if fp8:
+        assert (kv_cache.float().abs() == 448).any()
     untouched = torch.ones(N * B, dtype=torch.bool)
     untouched[slots[slots >= 0].cpu()] = False
-    assert (kv_cache.view(2, N * B, Hkv, D)[:, untouched.to(device)] == 1234.5).all()
+    assert (kv_cache.view(2, N * B, Hkv, D)[:, untouched.to(device)].float() == 96.0).all()
 
 
 def check_attention_decode(G, device="cpu", dtype=torch.float32, D=16, B=4, Hkv=2,
@@ -187,6 +213,17 @@ def check_attention_splits(device="cpu", dtype=torch.float32, G=2, D=16, B=4, Hk
             tol = _tol(dtype)
             torch.testing.assert_close(out, base_out, atol=tol, rtol=tol)
             torch.testing.assert_close(lse, base_lse, atol=tol, rtol=tol)
+
+
+def check_attention_fp8(device="cpu", dtype=torch.float32, G=2, D=16, B=4, Hkv=2,
+                        kv_lens=(37, 0, 5, 64, 3), q_lens=(1, 2, 5, 1, 1), splits=(1, 3, None)):
+    """An FP8 cache dequantized in the kernel equals attention over the dequantized values,
+    decode rows and multi-row (prefix) requests, with and without KV splits."""
+    for lens in (q_lens, [1] * len(kv_lens)):
+        case = make_attention_case(list(kv_lens), list(lens), Hkv, G, D, B, dtype, device, seed=4)
+        fp8, ref = fp8_case(case, seed=4)
+        for s in splits:
+            _check_attention(fp8, num_kv_splits=s, dtype=dtype, ref_case=ref)
 
 
 def check_attention_shapes(device="cpu", dtype=torch.float32):
@@ -226,6 +263,10 @@ def check_merge(device="cpu", dtype=torch.float32, T=9, H=3, D=24):
 INTERPRETER_CHECKS = {
     "store_kv_fp32": lambda: check_store_kv(),
     "store_kv_bf16": lambda: check_store_kv(dtype=torch.bfloat16),
+    "store_kv_fp8": lambda: check_store_kv(fp8=True),
+    "store_kv_fp8_from_bf16": lambda: check_store_kv(dtype=torch.bfloat16, fp8=True),
+    "attention_fp8": lambda: check_attention_fp8(),
+    "attention_fp8_bf16_g4": lambda: check_attention_fp8(dtype=torch.bfloat16, G=4, B=16),
     "decode_g1": lambda: check_attention_decode(1),
     "decode_g2": lambda: check_attention_decode(2),
     "decode_g4": lambda: check_attention_decode(4),
@@ -337,6 +378,19 @@ def test_gpu_multirow(dtype, G, D):
 def test_gpu_splits(dtype):
     check_attention_splits("cuda", dtype, G=4, D=128, B=16, Hkv=2,
                            kv_lens=(20000, 0, 129, 5000), q_lens=(1, 3, 16, 1), splits=(1, 4, 17, 64, None))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_store_kv_fp8(dtype):
+    check_store_kv("cuda", dtype, T=300, Hkv=8, D=128, B=16, N=40, fp8=True)
+
+
+@gpu
+@pytest.mark.parametrize("G", [1, 4, 8])
+def test_gpu_attention_fp8(G):
+    check_attention_fp8("cuda", torch.bfloat16, G=G, D=128, B=16, Hkv=2,
+                        kv_lens=(20000, 0, 129, 5000, 1), q_lens=(1, 3, 160, 1, 1), splits=(1, 7, None))
 
 
 @gpu

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from longserve.config import CacheConfig, ParallelConfig
-from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
+from longserve.attention.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
                                             KVCacheGroupSpec, MultipleOf)
 from longserve.worker.utils import (KVBlockZeroer, MemorySnapshot, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp, prepare_kernel_block_sizes,
@@ -38,25 +38,27 @@ def zeroer_scenario(device: str, use_triton: bool | None) -> None:
 
     group 0: manager block 8, kernel block 4 (k=2), 2 heads x 8, fp32 -> 512 B per segment
     group 1: manager block 8 = kernel block, 1 head x 8, bf16          -> 128 B per segment
+             and layer 7, an FP8 cache (kv_cache_dtype="fp8"), 2 heads x 8 -> 128 B per segment
     """
     g0 = lambda: torch.empty(2, NUM_BLOCKS * 2, 4, 2, 8, device=device)
     bases = {0: g0(), 1: g0(), 2: g0(), 5: torch.empty(2, NUM_BLOCKS, 8, 1, 8, dtype=torch.bfloat16, device=device),
-             6: torch.empty(2, NUM_BLOCKS + 3, 8, 1, 8, dtype=torch.bfloat16, device=device)}
+             6: torch.empty(2, NUM_BLOCKS + 3, 8, 1, 8, dtype=torch.bfloat16, device=device),
+             7: torch.empty(2, NUM_BLOCKS, 8, 2, 8, dtype=torch.float8_e4m3fn, device=device)}
     caches = {i: b for i, b in bases.items()}
     caches[6] = bases[6][:, :NUM_BLOCKS]  # K and V planes not adjacent
     caches[3], caches[4] = caches[1], caches[0]  # layer 3 reads layer 1's cache, layer 4 layer 0's
     context = {layer(i): SimpleNamespace(kv_cache=c) for i, c in caches.items()}
     spec0, spec1 = AttentionSpec(8, 2, 8, torch.float32), AttentionSpec(8, 1, 8, torch.bfloat16)
     groups = [AttentionGroup(object, [layer(i) for i in (0, 1, 2, 3, 4)], spec0, 0),
-              AttentionGroup(object, [layer(5), layer(6)], spec1, 1)]
+              AttentionGroup(object, [layer(5), layer(6), layer(7)], spec1, 1)]
 
     zeroer = KVBlockZeroer(device, use_triton=use_triton)
     # layer 3 is declared runner-only; layer 4 is not, and must be found by address
     zeroer.init_meta(iter(groups), [4, 8], "auto", {layer(3)}, context)
     assert zeroer.use_triton == (device == "cuda" if use_triton is None else use_triton)
-    assert len(zeroer.views) == 5 and zeroer.num_blocks == NUM_BLOCKS
+    assert len(zeroer.views) == 6 and zeroer.num_blocks == NUM_BLOCKS
     if zeroer.use_triton:
-        assert zeroer.seg_table.shape == (10, 2) and zeroer.chunk_bytes == 128 and zeroer.num_chunks == 4
+        assert zeroer.seg_table.shape == (12, 2) and zeroer.chunk_bytes == 128 and zeroer.num_chunks == 4
 
     for ids in ([4, 1], np.array([0, 5, 5]), torch.tensor([3], dtype=torch.int32, device=device), [], np.array([])):
         for b in bases.values():
@@ -65,8 +67,8 @@ def zeroer_scenario(device: str, use_triton: bool | None) -> None:
         zeroer.zero_block_ids(ids)
         zero = torch.as_tensor(ids.cpu() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64)).to(device)
         for i, b in expected.items():
-            b[:, :NUM_BLOCKS * (2 if i < 5 else 1)].view(2, NUM_BLOCKS, -1)[:, zero] = 0
-            assert torch.equal(bases[i], b), f"layer {i}, ids {ids}"
+            b.view(torch.uint8)[:, :NUM_BLOCKS * (2 if i < 5 else 1)].view(2, NUM_BLOCKS, -1)[:, zero] = 0
+            assert torch.equal(bases[i].view(torch.uint8), b.view(torch.uint8)), f"layer {i}, ids {ids}"
 
 
 def test_zeroer_torch_path():

@@ -24,9 +24,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longserve.attention.cp_attention import correct_attn_out, merge_attn_states
+from longserve.attention.kv_cache_spec import MultipleOf
+from longserve.attention.kv_quant import dequantize_kv, quantize_kv
 from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
-from longserve.worker.host_to_device import to_device
-from longserve.worker.kv_cache_spec import MultipleOf
+from longserve.host_to_device import to_device
 
 
 class Attention(nn.Module):
@@ -40,6 +41,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_sharing_target = kv_sharing_target  # layer index whose KV this layer reads
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
+        # FP8 cache: [2, Hkv] float32 scales (K row, V row) of the cache this layer reads;
+        # None when the cache holds the model's dtype (models/kv_scales.py)
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(self, q, k, v, meta: AttentionMetadata, out=None):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] (written into `out` when given)."""
@@ -63,7 +67,8 @@ class TorchAttentionBackend:
             k = ps.pcp.all_gather(k, 0)[meta.pcp_kv_index]
             v = ps.pcp.all_gather(v, 0)[meta.pcp_kv_index]
         if layer.kv_sharing_target is None:
-            self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping)
+            self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping,
+                          layer.kv_scale)
             meta.step_kv[layer.layer_idx] = (k, v)
         else:  # cross-layer KV sharing: the target's K/V, for the new tokens and the cache alike
             k, v = meta.step_kv[layer.kv_sharing_target]
@@ -131,7 +136,8 @@ class TorchAttentionBackend:
         """
         if ps.dcp.world_size > 1:  # the DCP group's heads: they share the KV heads stored here
             q = ps.dcp.all_gather(q, 1)
-        out, lse = self.paged_attention(q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale)
+        out, lse = self.paged_attention(q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale,
+                                        layer.kv_scale)
         if ps.cp.world_size == 1:
             return out, lse
         lses = ps.cp.all_gather(lse.unsqueeze(0), 0)  # [W, N, Hg]
@@ -145,19 +151,20 @@ class TorchAttentionBackend:
 
     # ---- primitives (reference versions) ---------------------------------------------------
     @staticmethod
-    def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale=None):
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         n_heads, d = k_cache.shape[-2:]
-        k_cache.view(-1, n_heads, d)[slots] = k[keep].to(k_cache.dtype)
-        v_cache.view(-1, n_heads, d)[slots] = v[keep].to(v_cache.dtype)
+        k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
+        k_cache.view(-1, n_heads, d)[slots] = quantize_kv(k[keep], k_scale, k_cache.dtype)
+        v_cache.view(-1, n_heads, d)[slots] = quantize_kv(v[keep], v_scale, v_cache.dtype)
 
     merge_states = staticmethod(merge_attn_states)  # merge two partial attentions by LSE
 
     @staticmethod
-    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
+    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
         """Row group r of q over the first kv_lens[r] cached tokens of its block-table row."""
-        return gathered_paged_attention(q, k_cache, v_cache, part, scale)
+        return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
 
     @staticmethod
     def dense_attention(q, k, v, causal, scale, need_lse):
@@ -197,9 +204,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return [16, 32, 64, 128]
 
     @staticmethod
-    def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale=None):
         from longserve.attention.triton_kernels import store_kv
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
     @staticmethod
     def merge_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse=None):
@@ -207,13 +214,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
         merge_attn_states_triton(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse)
 
     @staticmethod
-    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
+    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
         if part.max_query_len >= DENSE_PREFIX_MIN_ROWS and q.dtype in (torch.float16, torch.bfloat16) \
                 and q.is_cuda:
-            return gathered_paged_attention(q, k_cache, v_cache, part, scale)
+            return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
         from longserve.attention.triton_kernels import paged_attention_lse
         return paged_attention_lse(q, k_cache, v_cache, part.block_table, part.query_start_loc,
-                                   part.kv_lens, scale, part.max_query_len)
+                                   part.kv_lens, scale, part.max_query_len, kv_scale=kv_scale)
 
     def suffix_attention(self, q, k, v, meta: AttentionMetadata, scale, need_lse):
         """The requests' chunks (no PCP) in one flash varlen call instead of one call each; a
@@ -295,14 +302,16 @@ DENSE_PREFIX_MIN_ROWS = 128
 FLASH_MAX_WORK = 1 << 26
 
 
-def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
+def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
     """Per request, gather its cached K/V pages and attend without a mask (sdpa_with_lse: the
     reference math on CPU, fused kernels on CUDA). The reference paged attention, and the CUDA
-    path for long chunks. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32."""
+    path for long chunks. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32. An FP8 cache
+    is dequantized (kv_scale [2, Hkv]) to q's dtype as it is gathered."""
     qsl = part.query_start_loc_cpu
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and max(
             (qsl[r + 1] - qsl[r]) * n for r, n in enumerate(part.kv_lens_cpu)) <= FLASH_MAX_WORK:
-        return flash_prefix_attention(q, k_cache, v_cache, part, scale)
+        return flash_prefix_attention(q, k_cache, v_cache, part, scale, kv_scale)
+    k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
     page, hkv, d = k_cache.shape[1:]
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
@@ -311,8 +320,8 @@ def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale):
         if kv_len == 0 or qsl[r] == qsl[r + 1]:
             continue
         pages = part.block_table[r, :-(-kv_len // page)].long()
-        k = k_cache[pages].reshape(-1, hkv, d)[:kv_len]
-        v = v_cache[pages].reshape(-1, hkv, d)[:kv_len]
+        k = dequantize_kv(k_cache[pages].reshape(-1, hkv, d)[:kv_len], k_scale, q.dtype)
+        v = dequantize_kv(v_cache[pages].reshape(-1, hkv, d)[:kv_len], v_scale, q.dtype)
         out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = sdpa_with_lse(
             q[qsl[r]:qsl[r + 1]], k, v, False, scale)
     return out, lse
@@ -346,7 +355,7 @@ def pack_prefix(part: PagedPart, page: int, device) -> PackedPrefix:
     return PackedPrefix(rows, slots, cu[0], cu[1], int(nq.max()), int(nk.max()))
 
 
-def flash_prefix_attention(q, k_cache, v_cache, part: PagedPart, scale):
+def flash_prefix_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
     """Every request's rows against its whole cached prefix (no mask) in one flash varlen
     call over K/V gathered from the pages (GQA native). Rows of requests without a prefix
     get out 0 and lse -inf, as in the per-request loop."""
@@ -359,8 +368,9 @@ def flash_prefix_attention(q, k_cache, v_cache, part: PagedPart, scale):
     if part.packed is None:
         part.packed = pack_prefix(part, page, q.device)
     p = part.packed
-    k = k_cache.reshape(-1, hkv, d)[p.slots]
-    v = v_cache.reshape(-1, hkv, d)[p.slots]
+    k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
+    k = dequantize_kv(k_cache.reshape(-1, hkv, d)[p.slots], k_scale, q.dtype)
+    v = dequantize_kv(v_cache.reshape(-1, hkv, d)[p.slots], v_scale, q.dtype)
     q_in = q if p.rows is None else q[p.rows]
     o, l = torch.ops.aten._flash_attention_forward(q_in, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k,
                                                    0.0, False, False, scale=scale)[:2]

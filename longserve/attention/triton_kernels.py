@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): scores go through exp2
+FP8_MAX = tl.constexpr(448.0)  # float8 e4m3fn's largest finite value (attention/kv_quant.py)
 
 
 # --------------------------------------------------------------------------------------
@@ -24,11 +25,26 @@ LOG2E = 1.4426950408889634  # 1 / ln(2): scores go through exp2
 # --------------------------------------------------------------------------------------
 
 @triton.jit
+def _round_to_e4m3(x):
+    """x float32, |x| <= 448 -> the nearest float8 e4m3 value (ties to even), still float32,
+    so the cast that follows is exact. In float32 arithmetic rather than the cast's own
+    rounding: the CPU interpreter's float -> fp8 cast mis-rounds (a mantissa carry drops the
+    exponent step), and this way both run the same code (a few ALU ops per stored element)."""
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # exponent of |x|
+    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    t = tl.abs(x) / ulp
+    r = tl.floor(t + 0.5)
+    r = tl.where((r - t == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)  # tie: even
+    return tl.where(x < 0, -r, r) * ulp
+
+
+@triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,  # key/value [T, H, D], last dim contiguous
     stride_cslot, stride_ch,  # cache viewed as [num_slots, H, D]
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -40,14 +56,21 @@ def _store_kv_kernel(
     dst = slot * stride_cslot + h * stride_ch + d
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8:  # x / scale of its head, saturated at e4m3's largest finite value
+        k_scale = tl.load(kv_scale_ptr + h, mask=h < H, other=1.0)  # [H, 1]
+        v_scale = tl.load(kv_scale_ptr + H + h, mask=h < H, other=1.0)
+        k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX))
+        v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
     """key/value [T, Hkv, D] (any stride on dims 0-1), k_cache/v_cache [N, B, Hkv, D],
-    slot_mapping [T] int64; slot -1 leaves the cache untouched."""
+    slot_mapping [T] int64; slot -1 leaves the cache untouched. kv_scale [2, Hkv] float32
+    (contiguous): the FP8 cache's per-head K and V scales (None: a plain cast)."""
     T, H, D = key.shape
     if T == 0:
         return
@@ -55,12 +78,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "head_dim must be contiguous"
     assert k_cache.stride() == v_cache.stride() and k_cache.shape[2:] == (H, D)
     assert k_cache.stride(-1) == 1 and k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)
+    assert kv_scale is None or (kv_scale.shape == (2, H) and kv_scale.is_contiguous())
     _store_kv_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, kv_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2),
         H=H, D=D, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4 if H * D <= 4096 else 8,
+        FP8=kv_scale is not None, num_warps=4 if H * D <= 4096 else 8,
     )
 
 
@@ -116,7 +140,7 @@ def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, 
     tok = page * stride_kn + (n % PAGE) * stride_kb  # [N]
 
     k_t = tl.load(k_ptr + tok[None, :] + d[:, None],
-                  mask=n_ok[None, :] & (d < D)[:, None], other=0.0)  # [D, N]
+                  mask=n_ok[None, :] & (d < D)[:, None], other=0.0).to(q.dtype)  # [D, N]
     s = _dot(q, k_t, DOT_PRECISION, DOT_UPCAST)  # [M, N] unscaled scores
     if TAIL:
         s = tl.where(n_ok[None, :], s, float("-inf"))
@@ -125,15 +149,15 @@ def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, 
     p = tl.exp2(s * qk_scale - m_new[:, None])  # scale folded into one FMA
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_ptr + tok[:, None] + d[None, :],
-                mask=n_ok[:, None] & (d < D)[None, :], other=0.0)  # [N, D]
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+                mask=n_ok[:, None] & (d < D)[None, :], other=0.0).to(q.dtype)  # [N, D]
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, kv_lens_ptr,
-    out_ptr, lse_ptr,
+    out_ptr, lse_ptr, kv_scale_ptr,
     qk_scale,  # softmax scale * log2(e)
     num_reqs,
     stride_qt, stride_qh,  # q [T, Hq, D]
@@ -141,14 +165,19 @@ def _paged_attn_kernel(
     stride_bt,  # block table [R, max_blocks]
     stride_os, stride_ot, stride_oh,  # out [S, T, Hq, D] (stride_os = 0 when not split)
     stride_ls, stride_lt, stride_lh,  # lse [S, T, Hq]
+    stride_sc,  # kv_scale [2, Hkv] (FP8 cache)
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PAD_PER_REQ: tl.constexpr, SPLIT_TAIL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    v_scale = 1.0
+    if KV_FP8:  # the head's dequantization: K's scale folds into the scores, V's into the output
+        qk_scale = qk_scale * tl.load(kv_scale_ptr + kv_head)
+        v_scale = tl.load(kv_scale_ptr + stride_sc + kv_head)
 
     req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, PAD_PER_REQ, BLOCK_R)
     q_start = tl.load(qsl_ptr + req)
@@ -198,7 +227,7 @@ def _paged_attn_kernel(
     # an empty range (kv_len == 0, or a split past the end) gives out 0 and lse -inf
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc * (v_scale / l_safe)[:, None]
     lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln(2)
 
     o_off = (split.to(tl.int64) * stride_os + row.to(tl.int64)[:, None] * stride_ot
@@ -317,14 +346,16 @@ def _merge_kv_splits(o_buf, l_buf, out, lse) -> None:
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_table: torch.Tensor, query_start_loc: torch.Tensor,
                         kv_lens: torch.Tensor, scale: float, max_query_len: int,
-                        num_kv_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_kv_splits: int | None = None,
+                        kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of each request's query rows over its first kv_lens[r] cached tokens.
 
     q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks] int32;
     query_start_loc [R + 1] int32; kv_lens [R] int32. Returns out [T, Hq, D] (q's dtype) and
     lse [T, Hq] float32 (natural log). Rows outside query_start_loc[0]:query_start_loc[R]
     are left unwritten. max_query_len (>= the longest request's row count) only picks the
-    tiling; num_kv_splits=None picks the split count from shapes. Graph-capturable.
+    tiling; num_kv_splits=None picks the split count from shapes. kv_scale [2, Hkv] float32:
+    an FP8 cache's per-head K and V scales (dequantized in the kernel). Graph-capturable.
     """
     T, Hq, D = q.shape
     _, B, Hkv, Dk = k_cache.shape
@@ -349,18 +380,18 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
     _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
-        q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf,
+        q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, kv_scale,
         scale * LOG2E, R,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
-        *o_strides, *l_strides,
+        *o_strides, *l_strides, 0 if kv_scale is None else kv_scale.stride(0),
         G=G, D=D, PAGE=B, NUM_SPLITS=num_kv_splits,
         BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_R=_request_bucket(R), PAD_PER_REQ=pad, SPLIT_TAIL=BLOCK_Q > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
         DOT_UPCAST=not on_gpu or os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=kv_scale is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1:
         _merge_kv_splits(o_buf, l_buf, out, lse)

@@ -23,6 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--cpu-kv-cache-gb", type=float, default=0.25)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8 (e4m3)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -74,7 +75,8 @@ ENGINE_KEYS = ("tokenizer", "dtype", "device", "max_model_len", "block_size", "m
                "enable_sequence_parallel", "enable_expert_parallel", "enable_dbo",
                "dbo_decode_token_threshold", "dbo_prefill_token_threshold", "kv_offload_gb",
                "kv_transfer_config", "async_scheduling", "data_parallel_size_local",
-               "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port")
+               "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port",
+               "kv_cache_dtype")
 
 
 def make_llm(args):

@@ -17,7 +17,8 @@ Scheduler side (engine process, owns every block's lifetime):
   has_pending() -> whether workers must keep stepping (held blocks, loads in flight).
 
 Worker side (every rank):
-  register_kv_caches(kv_caches: dict[layer name, tensor])
+  register_kv_caches(kv_caches: dict[layer name, tensor], kv_scales: dict[layer name, tensor]
+                     or None)  the FP8 cache's per-head scales (None: the model's dtype)
   start_load_kv(metadata)     before the forward pass (and before new blocks are zeroed)
   wait_for_save()             after the forward pass
   get_finished(finished_req_ids) -> (finished_sending, finished_recving)

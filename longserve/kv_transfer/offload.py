@@ -7,7 +7,7 @@ save. A request's next full blocks after the device hit that are on the host are
 synchronously: they count as computed in the same step. Worker side: before the step
 (before new blocks are zeroed or written), the saves then the loads run through
 copy_kv_blocks, on a side stream on CUDA, one batched copy per layer and direction.
-The host pool is per layer [2, num_host_blocks, block_size, H, D], pinned on CUDA.
+The host pool is per layer [2, num_host_blocks, block_size, H, D * itemsize] bytes, pinned on CUDA.
 """
 from __future__ import annotations
 
@@ -109,13 +109,16 @@ class OffloadConnectorWorker:
         self.device_caches: dict[str, torch.Tensor] = {}
         self.host_caches: dict[str, torch.Tensor] = {}
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_scales=None) -> None:
+        """The host pool holds the caches' bytes (an FP8 cache: 1 byte an element; its scales
+        stay with the layers, the same on the way back)."""
         seen = set()
         for name, cache in kv_caches.items():
             if cache.data_ptr() in seen:  # a layer that reads another layer's cache
                 continue
             seen.add(cache.data_ptr())
-            self.device_caches[name] = cache.view(2, -1, self.block_size, *cache.shape[-2:])
+            data = cache.view(torch.uint8)  # float8 has no index_copy on CPU; bytes copy alike
+            self.device_caches[name] = data.view(2, -1, self.block_size, *data.shape[-2:])
         bytes_per_block = sum(c[:, 0].numel() * c.element_size() for c in self.device_caches.values())
         n = num_host_blocks(self.config.kv_transfer.kv_offload_bytes, bytes_per_block)
         pin = self.device.type == "cuda"

@@ -32,12 +32,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from longserve.kv_transfer.topology import KVLayout, plan_kv_pieces
+from longserve.kv_transfer.topology import KVLayout, check_kv_dtype, plan_kv_pieces
 from longserve.kv_transfer.transfer import PieceRange, pack_piece, payload_shape, unpack_piece
 from longserve.kv_transfer.transport import (PairGroups, connect_store, next_message, post_pull,
                                              release_key, td, wait_work)
 
 log = logging.getLogger(__name__)
+GONE, HELD, SCALES_DIFFER = 0, 1, 2  # a pull's status word
 PARAM_KEYS = ("do_remote_prefill", "remote_engine_id", "remote_host", "remote_port",
               "remote_request_id", "remote_block_ids", "remote_layout", "num_prompt_tokens",
               "prompt_hash", "num_layers", "head_dim")
@@ -47,7 +48,8 @@ def layout_of(config) -> KVLayout:
     p = config.parallel
     return KVLayout(config.model.num_kv_heads, config.cache.block_size, p.tensor_parallel_size,
                     p.prefill_context_parallel_size, p.decode_context_parallel_size,
-                    p.cp_kv_cache_interleave_size, config.kv_transfer.kv_buffer_layout)
+                    p.cp_kv_cache_interleave_size, config.kv_transfer.kv_buffer_layout,
+                    str(config.kv_dtype).removeprefix("torch."))
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -88,6 +90,7 @@ def validate_kv_transfer_params(config, p, prompt_token_ids: list[int]) -> None:
     if (remote.num_kv_heads, p["num_layers"], p["head_dim"]) != \
             (layout_of(config).num_kv_heads, model.num_layers, model.head_dim):
         raise ValueError("kv_transfer_params come from an instance of a different model shape")
+    check_kv_dtype(layout_of(config), remote)
 
 
 @dataclass
@@ -213,7 +216,8 @@ class P2pConnectorWorker:
         self.rank = ps.model.rank_in_group
         self.layout = layout_of(config)
         self.groups = PairGroups(device, kvt.kv_transfer_timeout_s)
-        self.caches: list[torch.Tensor] = []
+        self.caches: list[torch.Tensor] = []  # as bytes (uint8), one per cache
+        self.scales: list[torch.Tensor] = []  # FP8: [2, Hkv] scales of each cache, on the host
         self.lock = threading.Lock()
         self.hold_added = threading.Condition(self.lock)
         self.held: dict[str, Held] = {}
@@ -238,12 +242,29 @@ class P2pConnectorWorker:
         if kvt.kv_connect:
             threading.Thread(target=self._connect_all, args=(list(kvt.kv_connect),), daemon=True).start()
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
+                           kv_scales: dict[str, torch.Tensor] | None = None) -> None:
+        """kv_scales: an FP8 cache's per-head scales by layer (None: the model's dtype)."""
         seen = set()
-        for cache in kv_caches.values():  # layer order; a shared cache is moved once
+        for name, cache in kv_caches.items():  # layer order; a shared cache is moved once
             if cache.data_ptr() not in seen:
                 seen.add(cache.data_ptr())
-                self.caches.append(cache)
+                # as bytes: any dtype packs, lands and travels alike (float8 has no gloo type)
+                self.caches.append(cache.view(torch.uint8))
+                if kv_scales is not None:
+                    self.scales.append(kv_scales[name].cpu())
+
+    def _piece_scales(self, first_head: int, num_heads: int) -> torch.Tensor | None:
+        """[L, 2, num_heads] FP8 scales of this rank's heads [first_head, +num_heads)."""
+        if not self.scales:
+            return None
+        return torch.stack([s[:, first_head:first_head + num_heads] for s in self.scales])
+
+    def _same_scales(self, msg: dict) -> bool:
+        """Whether the consumer dequantizes the pieces' heads with this producer's scales."""
+        theirs = msg.get("kv_scales") or [None] * len(msg["pieces"])
+        return all(_equal_or_none(self._piece_scales(p.remote_head, p.num_heads), s)
+                   for p, s in zip(msg["pieces"], theirs))
 
     # ---- worker API --------------------------------------------------------------------
     def start_load_kv(self, meta: P2pMeta | None) -> None:
@@ -332,8 +353,11 @@ class P2pConnectorWorker:
         """Status word (tag 0: 1 held, 0 not), then the payloads (tags 1, ...). The blocks
         are read only while packing; no send outlasts the lease."""
         group = self.groups.get(store, msg["pair"], 0)
-        h = self._take_reader(msg["req_id"])
-        status = torch.tensor([0 if h is None else 1], dtype=torch.int64, device=self.device)
+        same_scales = self._same_scales(msg)
+        h = self._take_reader(msg["req_id"]) if same_scales else None
+        word = GONE if h is None else HELD
+        status = torch.tensor([word if same_scales else SCALES_DIFFER], dtype=torch.int64,
+                              device=self.device)
         wait_work(group.send([status], 1, 0), self.kvt.kv_transfer_timeout_s, self.device)
         if h is None:
             return
@@ -354,7 +378,7 @@ class P2pConnectorWorker:
                 _inject_fault(self.groups, msg["pair"])
 
     # ---- consumer ------------------------------------------------------------------------
-    def _zero_blocks(self, block_ids: list[int]) -> None:
+    def _zero_blocks(self, block_ids: list[int]) -> None:  # as bytes: all-zero bits = 0.0
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for c in self.caches:
             c.view(2, -1, self.layout.block_size, *c.shape[-2:]).index_fill_(1, idx, 0)
@@ -440,14 +464,18 @@ class P2pConnectorWorker:
         t0 = time.perf_counter()
         post_pull(store, p["remote_engine_id"], remote_rank, dict(
             req_id=p["remote_request_id"], pair=pair, pieces=pieces, start=rng.start, end=rng.end,
-            receiver=asdict(self.layout), layers_per_chunk=chunk))
+            receiver=asdict(self.layout), layers_per_chunk=chunk,
+            kv_scales=[self._piece_scales(q.local_head, q.num_heads) for q in pieces]))
         try:
             t1 = time.perf_counter()
             group = self.groups.get(store, pair, 1)
             t2 = time.perf_counter()
             status = torch.zeros(1, dtype=torch.int64, device=self.device)
             wait_work(group.recv([status], 0, 0), self.kvt.kv_transfer_timeout_s, self.device)
-            held = bool(status.item())
+            if status.item() == SCALES_DIFFER:
+                raise RuntimeError("refused: the producer's FP8 KV cache scales differ from this "
+                                   "instance's (not the same weights?)")
+            held = status.item() == HELD
             t3 = time.perf_counter()
             if held:
                 self._recv_pieces(group, pieces, remote, rng, chunk)
@@ -462,13 +490,13 @@ class P2pConnectorWorker:
             raise RuntimeError("gone: the producer no longer holds the request's KV")
 
     def _recv_pieces(self, group, pieces: list, remote: KVLayout, rng: PieceRange, chunk: int) -> None:
-        head_dim, dtype = self.caches[0].shape[-1], self.caches[0].dtype
+        row_bytes = self.caches[0].shape[-1]  # one head's row of one token (caches are bytes)
         parts = [(piece, layers) for piece in pieces if not _is_empty(piece, remote, self.layout, rng)
                  for layers in _layer_chunks(len(self.caches), chunk)]
 
         def buffer(piece, layers):
-            shape = payload_shape(piece, remote, self.layout, rng, layers.stop - layers.start, head_dim)
-            return lambda: torch.empty(shape, dtype=dtype, device=self.device)
+            shape = payload_shape(piece, remote, self.layout, rng, layers.stop - layers.start, row_bytes)
+            return lambda: torch.empty(shape, dtype=torch.uint8, device=self.device)
 
         def consume(i, buf):
             piece, layers = parts[i]
@@ -478,6 +506,10 @@ class P2pConnectorWorker:
         self.groups.recv_all(group, [buffer(*part) for part in parts], consume, first_tag=1)
         if self.device.type == "cuda":  # the pull's time is until the KV is in place
             torch.cuda.synchronize(self.device)
+
+
+def _equal_or_none(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _inject_fault(groups: PairGroups, pair: str) -> None:

@@ -5,7 +5,7 @@ One instance's KV placement (docs/architecture.md "Rank layout"):
 - model ranks are `pcp x tp` (rank = pcp_rank * tp + tp_rank); CP rank = pcp_rank * dcp +
   tp_rank % dcp; W = pcp * dcp KV shards;
 - position p is stored by CP rank (p // I) % W (I = interleave), in block
-  block_ids[p // (B * W)] at the offset of worker/block_table.py;
+  block_ids[p // (B * W)] at the offset of longserve/cp_slot_mapping.py;
 - KV heads: the tp/dcp head groups each own num_kv_heads/(tp/dcp) heads (one replicated
   head when there are fewer heads than groups), as models/layers.py kv_head_range.
 So a local rank needs, for each of its heads h and each position p it stores, the remote
@@ -32,7 +32,9 @@ def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int, dcp_size: in
 @dataclass(frozen=True)
 class KVLayout:
     """How one instance spreads its KV cache over its ranks (plain data: it travels in the
-    transfer params). `cache_layout` is the block layout its blocks leave in ("NHD"/"HND")."""
+    transfer params). `cache_layout` is the block layout its blocks leave in ("NHD"/"HND");
+    `kv_dtype` the cache's element type ("bfloat16", "float8_e4m3fn", ...): KV moves as
+    bytes, so two instances exchange it only with the same one (check_kv_dtype)."""
     num_kv_heads: int
     block_size: int = 16
     tp: int = 1
@@ -40,6 +42,7 @@ class KVLayout:
     dcp: int = 1
     interleave: int = 1
     cache_layout: str = "NHD"
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         if self.tp % self.dcp or self.block_size % self.interleave:
@@ -86,11 +89,19 @@ class KVPiece:
         return p[keep]
 
 
+def check_kv_dtype(local: KVLayout, remote: KVLayout) -> None:
+    if local.kv_dtype != remote.kv_dtype:
+        raise ValueError(f"the producer's KV cache holds {remote.kv_dtype} and this instance's "
+                         f"{local.kv_dtype}: KV moves as bytes, so both need the same "
+                         "kv_cache_dtype (and dtype)")
+
+
 def plan_kv_pieces(local: KVLayout, remote: KVLayout, local_rank: int) -> list[KVPiece]:
     """Every piece local rank `local_rank` reads. A head that several remote ranks hold
     (replicated KV) is read from one of them, chosen by the local rank to spread the load."""
     if local.num_kv_heads != remote.num_kv_heads:
         raise ValueError(f"the instances have {local.num_kv_heads} and {remote.num_kv_heads} KV heads")
+    check_kv_dtype(local, remote)
     first, count = local.heads(local_rank)
     local_cp = local.cp_rank(local_rank)
     pieces: list[KVPiece] = []

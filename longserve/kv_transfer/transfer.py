@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from longserve.cp_slot_mapping import compute_slot_mapping
 from longserve.kv_transfer.topology import KVLayout, KVPiece
 from longserve.kv_transfer.utils import (HND, kv_postprocess_blksize_and_layout_on_receive,
                                          kv_postprocess_layout_on_receive)
-from longserve.worker.block_table import compute_slot_mapping
 
 
 @dataclass(frozen=True)

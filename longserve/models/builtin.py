@@ -74,6 +74,14 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
         max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=128000,
         eos_token_id=128001, torch_dtype="bfloat16"),
+    # the Llama-3-8B shape with one KV head: tp=2 replicates it on both ranks (each holds
+    # the whole KV), tp=2 x dcp=2 shards its tokens (each holds half): the layout guide's case
+    "llama3-8b-1kv-shape": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=1, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001, torch_dtype="bfloat16"),
     "qwen3-30b-a3b-shape": dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,

@@ -16,14 +16,16 @@ from safetensors import safe_open
 from longserve.config import ModelConfig
 from longserve.distributed.parallel_state import ParallelState
 from longserve.models.gguf_loader import gguf_hf_config, gguf_tensors, is_gguf
+from longserve.models.kv_scales import checkpoint_scale_key, set_kv_scales
 from longserve.models.llama import STACKED_PARAMS, LlamaForCausalLM, checkpoint_to_param_name
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def build_model(cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, device: str,
-                load_format: str = "auto", seed: int = 0,
-                expert_parallel: bool = False) -> LlamaForCausalLM:
+                load_format: str = "auto", seed: int = 0, expert_parallel: bool = False,
+                fp8_kv: bool = False) -> LlamaForCausalLM:
+    """fp8_kv: give the attention layers the scales of an FP8 KV cache (models/kv_scales.py)."""
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -31,10 +33,13 @@ def build_model(cfg: ModelConfig, ps: ParallelState, dtype: torch.dtype, device:
             model = LlamaForCausalLM(cfg, ps, expert_parallel)
     finally:
         torch.set_default_dtype(old_dtype)
+    kv_scales = {}
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
     else:
-        load_weights(model, cfg)
+        kv_scales = load_weights(model, cfg)
+    if fp8_kv:
+        set_kv_scales(model, kv_scales)
     return model.eval()
 
 
@@ -57,16 +62,19 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
+def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[tuple[int, str], torch.Tensor]:
+    """Fill the parameters; returns the checkpoint's KV cache scales, (layer, "k"/"v"/"kv")
+    -> tensor (vLLM's names; used by an FP8 KV cache, ignored otherwise)."""
     params = dict(model.named_parameters())
     shapes = checkpoint_shapes(cfg) | fused_expert_shapes(cfg)
     loaded: set[tuple] = set()
+    kv_scales: dict[tuple[int, str], torch.Tensor] = {}
     if is_gguf(cfg.path):  # one file, dequantized tensor by tensor
         for name, tensor in gguf_tensors(cfg.path, gguf_hf_config(cfg.path)):
-            load_named(params, name, tensor, cfg.path, cfg, loaded, shapes)
+            load_named(params, name, tensor, cfg.path, cfg, loaded, shapes, kv_scales)
     for file in [] if is_gguf(cfg.path) else safetensors_files(cfg.path):
         try:
-            load_file(params, file, cfg, loaded, shapes)
+            load_file(params, file, cfg, loaded, shapes, kv_scales)
         except ValueError:
             raise  # ours: names the tensor and the file
         except Exception as e:  # a truncated or corrupt file (SafetensorError, OSError, ...)
@@ -77,21 +85,34 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
     if missing:
         raise ValueError(f"weights missing from {cfg.path!r}: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    return kv_scales
 
 
-def load_file(params: dict, file: str, cfg: ModelConfig, loaded: set, shapes: dict) -> None:
+def load_file(params: dict, file: str, cfg: ModelConfig, loaded: set, shapes: dict,
+              kv_scales: dict) -> None:
     with safe_open(file, framework="pt") as f:
         for name in f.keys():
-            load_named(params, name, f.get_tensor(name), file, cfg, loaded, shapes)
+            load_named(params, name, f.get_tensor(name), file, cfg, loaded, shapes, kv_scales)
 
 
 def load_named(params: dict, name: str, tensor, file: str, cfg: ModelConfig, loaded: set,
-               shapes: dict) -> None:
+               shapes: dict, kv_scales: dict) -> None:
     if name.endswith(IGNORED_SUFFIXES):
         return
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return  # some tied checkpoints still carry a copy
+    scale_key = checkpoint_scale_key(name)
+    if scale_key is not None:
+        check_kv_scale(name, tensor, file, cfg)
+        kv_scales[scale_key] = tensor.float()
+        return
     load_one(params, name, tensor, file, loaded, shapes)
+
+
+def check_kv_scale(name: str, tensor: torch.Tensor, file: str, cfg: ModelConfig) -> None:
+    if tensor.numel() not in (1, cfg.num_kv_heads) or not bool((tensor.float() > 0).all()):
+        raise ValueError(f"KV cache scale {name!r} in {file} must be one positive number or one "
+                         f"per KV head ({cfg.num_kv_heads}), got shape {tuple(tensor.shape)}")
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -9,21 +9,21 @@ import numpy as np
 import torch
 
 from longserve.attention.backends import TorchAttentionBackend, TritonAttentionBackend
+from longserve.attention.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
+                                               KVCacheGroupSpec)
 from longserve.attention.metadata import AttentionMetadata, PagedPart
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import ParallelState
+from longserve.host_to_device import to_device
 from longserve.kv_transfer.base import build_worker_connector, connector_output
 from longserve.kv_transfer.utils import KVConnectorOutput
-from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.models.loader import build_model
 from longserve.sampling_params import SamplingParams
+from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibility
 from longserve.worker.dp_step import run_coordinated, run_dummy_step
-from longserve.worker.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
-                                            KVCacheGroupSpec)
 from longserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_unsupported
 from longserve.worker.sampler import Sampler, prompt_logprobs
-from longserve.worker.host_to_device import to_device
 from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,
@@ -93,8 +93,10 @@ class ModelRunner:
         self.config, self.ps, self.device = config, ps, device
         self.backend = choose_backend(config, device)
         check_attention_cp_compatibility(config.parallel, [type(self.backend)])
+        self.kv_dtype = config.kv_dtype  # the model's dtype, or float8 e4m3 (kv_cache_dtype="fp8")
         self.model = build_model(config.model, ps, config.dtype, str(device), config.load_format,
-                                 config.seed, config.parallel.enable_expert_parallel)
+                                 config.seed, config.parallel.enable_expert_parallel,
+                                 fp8_kv=self.kv_dtype == torch.float8_e4m3fn)
         self.layers = {a.layer_name: a for a in self.model.attention_layers()}
         self.block_size = config.cache.block_size
         par = config.parallel
@@ -136,7 +138,7 @@ class ModelRunner:
     # ---- KV cache -----------------------------------------------------------------------
     def _kv_cache_groups(self) -> tuple[KVCacheConfig, list[list[AttentionGroup]], set[str]]:
         first = next(iter(self.layers.values()))
-        spec = AttentionSpec(self.block_size, first.num_kv_heads, first.head_dim, self.config.dtype)
+        spec = AttentionSpec(self.block_size, first.num_kv_heads, first.head_dim, self.kv_dtype)
         owners = [n for n, a in self.layers.items() if a.kv_sharing_target is None]
         group = KVCacheGroupSpec(list(owners), spec)
         shared = {n: f"model.layers.{a.kv_sharing_target}.self_attn.attn"
@@ -152,7 +154,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         owners = [a for a in self.layers.values() if a.kv_sharing_target is None]
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * self.config.dtype.itemsize
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
                    for a in owners)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -163,7 +165,7 @@ class ModelRunner:
         for name, a in self.layers.items():
             if a.kv_sharing_target is None:
                 caches[name] = torch.empty(2, num_blocks * k, self.kernel_block_size, a.num_kv_heads,
-                                           a.head_dim, dtype=self.config.dtype, device=self.device)
+                                           a.head_dim, dtype=self.kv_dtype, device=self.device)
         for name, a in self.layers.items():
             if a.kv_sharing_target is not None:
                 caches[name] = caches[f"model.layers.{a.kv_sharing_target}.self_attn.attn"]
@@ -171,6 +173,12 @@ class ModelRunner:
         self.kv_cache_dict = caches
         self.zeroer.init_meta(attn_groups[0], [self.kernel_block_size], "auto", runner_only,
                               self.layers)
+
+    def kv_scales(self) -> dict[str, torch.Tensor] | None:
+        """An FP8 cache's per-head scales by layer (None: the cache holds the model's dtype)."""
+        if self.kv_dtype != torch.float8_e4m3fn:
+            return None
+        return {name: a.kv_scale for name, a in self.layers.items()}
 
     @torch.no_grad()
     def profile_peak_memory(self) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from longserve.sampling_params import SamplingParams
-from longserve.worker.host_to_device import to_device
+from longserve.host_to_device import to_device
 
 
 class Sampler:

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from longserve.attention.metadata import AttentionMetadata, PagedPart, SuffixSegment, VarlenLayout
+from longserve.cp_slot_mapping import compute_slot_mapping, get_dcp_local_seq_lens
 from longserve.distributed.parallel_state import ParallelState
+from longserve.host_to_device import to_device
 from longserve.step_plan import PLACEHOLDER, ScheduledRequest
-from longserve.worker.block_table import (compute_slot_mapping, get_dcp_local_seq_lens,
-                                          map_to_kernel_blocks)
+from longserve.worker.block_table import map_to_kernel_blocks
 from longserve.worker.cp_utils import PCPManager
-from longserve.worker.host_to_device import to_device
 
 
 @dataclass

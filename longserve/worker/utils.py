@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from longserve.attention.kv_cache_spec import AttentionGroup, KVCacheConfig, KVCacheGroupSpec, MultipleOf
 from longserve.config import CacheConfig, ParallelConfig, parse_dtype
-from longserve.worker.kv_cache_spec import AttentionGroup, KVCacheConfig, KVCacheGroupSpec, MultipleOf
 
 try:  # Triton is optional: CPU-only installs zero blocks with torch ops
     import triton
@@ -146,9 +146,9 @@ class KVBlockZeroer:
         if self.use_triton:
             grid = (ids.numel(), self.seg_table.shape[0], self.num_chunks)
             _zero_kv_blocks_kernel[grid](self.seg_table, ids, CHUNK_BYTES=self.chunk_bytes, num_warps=4)
-        else:
+        else:  # as bytes: any cache dtype (float8 has no index_fill on CPU), all-zero bits = 0.0
             for view in self.views:
-                view.index_fill_(1, ids, 0)
+                view.view(torch.uint8).index_fill_(1, ids, 0)
 
     def _ids_on_device(self, block_ids) -> torch.Tensor | None:
         """int64 ids on the cache device, or None when empty. Host ids are bounds-checked;

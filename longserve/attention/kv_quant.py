@@ -1,0 +1,27 @@
+"""The FP8 KV cache in torch: quantize on store, dequantize on read.
+
+A cache of dtype float8_e4m3fn holds k / s and v / s, where s is the layer's scale of that
+KV head (`Attention.kv_scale` [2, Hkv] float32: K row, V row; models/kv_scales.py). Values
+beyond e4m3's largest finite number saturate instead of becoming NaN. The Triton kernels
+(triton_kernels.py) do the same inside store-KV and paged attention; these are the
+reference and the CPU path. With kv_scale None the cache holds the model's dtype as is.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x [T, H, D] -> the cache's dtype; scale [H] (None: a plain cast)."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows x [T, H, D] -> dtype; scale [H] (None: a plain cast)."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale[:, None]).to(dtype)

@@ -1,0 +1,88 @@
+"""Scales of the FP8 KV cache: one per layer, KV head and K / V, fixed at load.
+
+The cache holds k / s and v / s as float8 e4m3 (attention/kv_quant.py). e4m3 is a float:
+3 mantissa bits, so the same relative precision anywhere in its normal range [2^-6, 448],
+a span of 2^14.8. A scale only has to keep |x| / s under 448 (no saturation) while the
+values that matter stay far above 2^-6 s. Where the scales come from, in order:
+
+1. the checkpoint: vLLM's `model.layers.N.self_attn.k_scale` / `v_scale` (or `kv_scale` for
+   both), a scalar or one per KV head, as calibration tools write them;
+2. else a bound from the weights that no input can exceed (calibration-free):
+   - the projections see x = RMSNorm(h) * gamma with |RMSNorm(h)|_2 <= sqrt(hidden), so
+     |k_i| <= |W_k[i] * gamma|_2 sqrt(hidden) + |b_i| (Cauchy-Schwarz), the same for v;
+   - Qwen3 normalises each K head first: |k_hat|_2 <= sqrt(head_dim), so |k_i| <=
+     sqrt(head_dim) max|gamma_k|;
+   - RoPE rotates dims i and i + D/2 together: |k'_i| <= hypot(bound_i, bound_{i+D/2}).
+   s = max over the head / 448, rounded up to a power of two. The bound is loose by
+   roughly the alignment of x with a row (tens for real models), which leaves typical
+   values near 448 / 100 and the smallest that matter still normal: measured in
+   benchmarks/bench_precision.py. A power of two makes quantizing and dequantizing exact
+   multiplications, and two ranks whose float sums differ in the last bit (another row
+   count, another reduction order) still get the same scale.
+
+Both are a function of the weights alone: every rank that stores a head (TP replicas, the
+DCP and PCP ranks that share it) computes the same scale with no communication, a KV
+producer and consumer of the same model agree, and no request's data decides another's
+precision (a first-prefill amax would). Per head rather than per layer costs nothing: a
+kernel program works on one KV head and loads one scalar, and a per-layer scale would need
+every rank's heads.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from longserve.attention.kv_quant import FP8_MAX
+
+# checkpoint tensor name -> (layer, "k" | "v" | "kv")
+CHECKPOINT_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(k|v|kv)_scale$")
+
+
+def checkpoint_scale_key(name: str) -> tuple[int, str] | None:
+    m = CHECKPOINT_SCALE.match(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
+
+
+@torch.no_grad()
+def set_kv_scales(model, checkpoint_scales: dict[tuple[int, str], torch.Tensor]) -> None:
+    """Give every attention layer its `kv_scale` [2, Hkv] float32 (K row, V row); a layer
+    that reads another layer's KV takes that layer's scales."""
+    attns = model.attention_layers()
+    for i, layer in enumerate(model.layers):
+        attn = attns[i]
+        if attn.kv_sharing_target is None:
+            bound = weight_bound(layer.input_layernorm.weight, layer.self_attn)
+            scale = torch.exp2(torch.ceil(torch.log2((bound / FP8_MAX).clamp_min(2.0 ** -100))))
+            for row, kind in enumerate("kv"):
+                given = checkpoint_scales.get((i, kind), checkpoint_scales.get((i, "kv")))
+                if given is not None:
+                    scale[row] = heads_of(given, layer.self_attn.qkv_proj)
+            attn.kv_scale = scale.contiguous()
+    for attn in attns:
+        if attn.kv_sharing_target is not None:
+            attn.kv_scale = attns[attn.kv_sharing_target].kv_scale
+
+
+def heads_of(given: torch.Tensor, qkv) -> torch.Tensor:
+    """A checkpoint scale (scalar, or one per KV head of the model) -> this rank's heads."""
+    given = given.float().reshape(-1).to(qkv.weight.device)
+    if given.numel() == 1:
+        return given.expand(qkv.num_kv_heads)
+    return given[qkv.kv_start:qkv.kv_start + qkv.num_kv_heads]
+
+
+def weight_bound(input_norm_weight: torch.Tensor, attn_module) -> torch.Tensor:
+    """[2, Hkv]: per KV head of this rank, a bound on |k| (after RoPE) and |v| (see above)."""
+    qkv = attn_module.qkv_proj
+    d, q, kv = qkv.head_dim, qkv.q_size, qkv.kv_size
+    w = qkv.weight.float() * input_norm_weight.float()  # gamma folded into the rows
+    rows = w.norm(dim=1) * w.shape[1] ** 0.5  # [q + 2 kv]
+    if qkv.bias is not None:
+        rows = rows + qkv.bias.float().abs()
+    k_rows, v_rows = rows[q:q + kv].view(-1, d), rows[q + kv:].view(-1, d)
+    if attn_module.k_norm is not None:
+        k_bound = (attn_module.k_norm.weight.float().abs().max() * d ** 0.5).expand(k_rows.shape[0])
+    else:
+        k_bound = torch.hypot(k_rows[:, :d // 2], k_rows[:, d // 2:]).amax(1)
+    return torch.stack([k_bound, v_rows.amax(1)])
