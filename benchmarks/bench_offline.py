@@ -55,8 +55,7 @@ os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")
 
 from longserve import LLM, SamplingParams  # noqa: E402
 from longserve.engine.messages import EngineCoreRequest  # noqa: E402
-from longserve.config import ModelConfig  # noqa: E402
-from longserve.models.builtin import resolve_model  # noqa: E402
+from longserve.models.builtin import model_config, resolve_model  # noqa: E402
 
 # one model step as the executor received it: decode rows, prefill tokens, seconds inside
 # execute (host time under asynchronous scheduling), sequences, context tokens summed over them
@@ -625,7 +624,7 @@ def device_and_bw(args) -> tuple[str, float]:
 
 
 def run_model(model: str, args, bw: float) -> dict:
-    vocab = ModelConfig.from_pretrained(resolve_model(f"builtin:{model}")).vocab_size
+    vocab = model_config(resolve_model(f"builtin:{model}")).vocab_size
     wl = make_workload(args, vocab)
     r = ours(model, args, wl, bw)
     total = r["total"]

@@ -42,9 +42,8 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
 
 
 def vocab_size(engine_args) -> int:
-    from longserve.config import ModelConfig
-    from longserve.models.builtin import resolve_model
-    return ModelConfig.from_pretrained(resolve_model(engine_args.model, engine_args.seed)).vocab_size
+    from longserve.models.builtin import model_config, resolve_model
+    return model_config(resolve_model(engine_args.model, engine_args.seed)).vocab_size
 
 
 # ---- offline: the same workload through LLM.generate, and one decode step -------------

@@ -88,11 +88,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
-        from longserve.models.gguf_loader import gguf_hf_config, is_gguf
-        if is_gguf(path):
-            cfg = cls.from_hf_dict(path, gguf_hf_config(path))
-            cfg.check(path)
-            return cfg
+        """An HF folder's config.json (a GGUF file: models.builtin.model_config)."""
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in model folder {path!r}")

@@ -13,7 +13,7 @@ from longserve.config import (CacheConfig, EngineConfig, KVTransferConfig, Model
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.request import RequestOutput
 from longserve.inputs import is_token_list
-from longserve.models.builtin import DEFAULT_MODEL, resolve_model
+from longserve.models.builtin import DEFAULT_MODEL, model_config, resolve_model
 from longserve.sampling_params import SamplingParams
 
 
@@ -117,7 +117,7 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                       enable_prefix_caching=enable_prefix_caching,
                       enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                       enable_sequence_parallel=enable_sequence_parallel)
-    model_cfg = ModelConfig.from_pretrained(resolve_model(model, seed))
+    model_cfg = model_config(resolve_model(model, seed))
     if tokenizer is not None:
         if not (os.path.isdir(tokenizer) or (tokenizer.endswith(".gguf") and os.path.isfile(tokenizer))):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} is neither a folder (with "

@@ -5,10 +5,9 @@ import os
 
 import pytest
 
-from longserve.config import ModelConfig
 from longserve.engine.core import EngineCore
 from longserve.engine.scheduler import Scheduler
-from longserve.models.builtin import resolve_model
+from longserve.models.builtin import model_config, resolve_model
 from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker import model_runner
 
@@ -43,10 +42,10 @@ def test_run_floor_of_two_hand_worked_steps():
 
 
 def test_model_bytes_from_config_match_the_published_shapes():
-    q = ModelConfig.from_pretrained(resolve_model("builtin:qwen3-0.6b-shape"))
+    q = model_config(resolve_model("builtin:qwen3-0.6b-shape"))
     assert bench.weight_params(q) == pytest.approx(0.596e9, rel=2e-3)
     assert bench.kv_bytes_per_token(q, bench.torch.bfloat16) == 28 * 2 * 8 * 128 * 2
-    ll = ModelConfig.from_pretrained(resolve_model("builtin:llama3-8b-shape"))
+    ll = model_config(resolve_model("builtin:llama3-8b-shape"))
     assert bench.weight_params(ll) == pytest.approx(8.03e9, rel=2e-3)
     assert bench.kv_bytes_per_token(ll, bench.torch.bfloat16) == 32 * 2 * 8 * 128 * 2
 

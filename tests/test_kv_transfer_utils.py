@@ -108,9 +108,8 @@ def test_replication():
 def test_one_kv_head_shape_tp2_replicates_and_tp2_dcp2_shards():
     """llama3-8b-1kv-shape (the layout guide's case): at tp=2 both ranks hold the one head
     and every token; at tp=2 x dcp=2 both hold the head and half the tokens each."""
-    from longserve.config import ModelConfig
-    from longserve.models.builtin import resolve_model
-    cfg = ModelConfig.from_pretrained(resolve_model("builtin:llama3-8b-1kv-shape"))
+    from longserve.models.builtin import model_config, resolve_model
+    cfg = model_config(resolve_model("builtin:llama3-8b-1kv-shape"))
     assert (cfg.num_kv_heads, cfg.num_heads, cfg.num_layers, cfg.hidden_size) == (1, 32, 32, 4096)
     tp2, tp2dcp2 = KVLayout(1, 16, tp=2), KVLayout(1, 16, tp=2, dcp=2)
     assert [tp2.heads(r) for r in (0, 1)] == [(0, 1), (0, 1)] and tp2.cp_size == 1

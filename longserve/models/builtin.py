@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from longserve.config import ModelConfig
-from longserve.models.gguf_loader import is_gguf
+from longserve.models.gguf_loader import gguf_hf_config, is_gguf
 from longserve.models.loader import checkpoint_shapes
 from longserve.models.smollm2 import smollm2_path
 
@@ -102,6 +102,15 @@ def add(a, b):\n    return a + b\nprint(add(2, 3))\n0123456789 !?.,;:'"()[]{}<>-
 
 def cache_dir() -> str:
     return os.environ.get("LONGSERVE_CACHE", os.path.expanduser("~/.cache/longserve"))
+
+
+def model_config(path: str) -> ModelConfig:
+    """The ModelConfig of an HF folder or of a GGUF file (from its metadata)."""
+    if not is_gguf(path):
+        return ModelConfig.from_pretrained(path)
+    cfg = ModelConfig.from_hf_dict(path, gguf_hf_config(path))
+    cfg.check(path)
+    return cfg
 
 
 def resolve_model(model: str, seed: int = 0) -> str:
