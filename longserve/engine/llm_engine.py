@@ -53,6 +53,7 @@ class LLMEngine:
         self.infos = self.client.infos
         self.num_blocks = min(info["num_gpu_blocks"] for info in self.infos)
         self.tokens_per_block = self.infos[0]["tokens_per_block"]
+        self._grammars = None  # GrammarCompiler, built at the first structured request
 
     # ---- tokens and text --------------------------------------------------------------
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -127,6 +128,12 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         check_request_fits(num_prompt_tokens, params.max_tokens, self.config.scheduler.max_model_len,
                            self.num_blocks, self.tokens_per_block)
+        if params.structured_outputs is not None:  # refuse what xgrammar cannot compile
+            if self._grammars is None:
+                from longserve.engine.structured_output import GrammarCompiler
+                m = self.config.model
+                self._grammars = GrammarCompiler(self.tokenizer, m.vocab_size, m.eos_token_ids)
+            self._grammars.check(params.structured_outputs)
 
     def check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
         if req.sampling_params.prompt_logprobs is not None:

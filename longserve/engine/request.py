@@ -49,6 +49,7 @@ class Request:
     # include the request and are not applied yet.
     num_output_placeholders: int = 0
     num_steps_in_flight: int = 0
+    grammar: object | None = None  # structured outputs: xgrammar's GrammarMatcher
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -287,6 +287,13 @@ class Scheduler:
     def _check_stop(self, req: Request) -> bool:
         params, token = req.sampling_params, req.output_token_ids[-1]
         n_out = len(req.output_token_ids)
+        if req.grammar is not None:  # advanced once per token, when the host learns it
+            if not req.grammar.accept_token(token):
+                req.finish_reason, req.error = "error", f"the grammar rejected token {token}"
+                return True
+            if req.grammar.is_terminated():  # its grammar ended (at a stop token)
+                req.finish_reason, req.stop_reason = "stop", None
+                return True
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 req.finish_reason, req.stop_reason = "stop", None
