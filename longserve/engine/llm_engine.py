@@ -128,12 +128,16 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         check_request_fits(num_prompt_tokens, params.max_tokens, self.config.scheduler.max_model_len,
                            self.num_blocks, self.tokens_per_block)
-        if params.structured_outputs is not None:  # refuse what xgrammar cannot compile
-            if self._grammars is None:
-                from longserve.engine.structured_output import GrammarCompiler
-                m = self.config.model
-                self._grammars = GrammarCompiler(self.tokenizer, m.vocab_size, m.eos_token_ids)
-            self._grammars.check(params.structured_outputs)
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs)
+
+    def check_structured_outputs(self, so) -> None:
+        """Compile the grammar (cached) to refuse what xgrammar cannot compile."""
+        if self._grammars is None:
+            from longserve.engine.structured_output import GrammarCompiler
+            m = self.config.model
+            self._grammars = GrammarCompiler(self.tokenizer, m.vocab_size, m.eos_token_ids)
+        self._grammars.check(so)
 
     def check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
         if req.sampling_params.prompt_logprobs is not None:

@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class OpenAIError(Exception):
@@ -30,6 +30,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(BaseModel):
     """Fields that completions and chat share (OpenAI's, plus vLLM's top_k, ignore_eos, ...)."""
     model: str | None = None
@@ -51,6 +64,13 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: choices carry the output token ids (a chunk per step)
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (longserve proxy)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:

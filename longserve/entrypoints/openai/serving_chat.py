@@ -57,7 +57,7 @@ class OpenAIServingChat:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = sampling_params(req, max_tokens, logprobs)
+        params = sampling_params(req, max_tokens, logprobs, self.core)
         [(_, stream)] = submit(self.core, [self.render(req)], params, "messages")
         request_id, model = random_id("chatcmpl"), self.served_names[0]
         name = self.names.namer(req.return_tokens_as_token_ids)

@@ -43,7 +43,7 @@ class OpenAIServingCompletion:
         if req.echo and req.logprobs is not None:
             raise OpenAIError("echo with logprobs needs the prompt's logprobs, which this server "
                               "does not return yet", param="echo")
-        params = sampling_params(req, req.max_tokens, req.logprobs)
+        params = sampling_params(req, req.max_tokens, req.logprobs, self.core)
         submitted = submit(self.core, normalize_prompts(req.prompt), params, "prompt")
         echoes = [self._echo(r) if req.echo else "" for r, _ in submitted]
         name = self.names.namer(req.return_tokens_as_token_ids)

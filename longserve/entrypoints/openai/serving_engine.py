@@ -14,7 +14,7 @@ from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.messages import EngineCoreRequest
 from longserve.engine.output_processor import EngineDeadError, EngineOverloadedError, StreamOutput
 from longserve.entrypoints.openai.protocol import OpenAIError, SamplingFields, UsageInfo
-from longserve.sampling_params import SamplingParams
+from longserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _param_of(message: str) -> str | None:
@@ -28,14 +28,16 @@ def check_model(requested: str | None, served: list[str]) -> None:
                           param="model", code="model_not_found")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    core: LLMEngine) -> SamplingParams:
     if req.n != 1:
         raise OpenAIError(f"n must be 1 (one choice per prompt), got {req.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise OpenAIError(f"{name} is not supported (must be 0)", param=name)
+    so, field = structured_outputs(req)
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
@@ -44,6 +46,33 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None)
     except (ValueError, TypeError) as e:
         raise OpenAIError(str(e), param=_param_of(str(e))) from None
+    try:  # the door compiles it too (cached): a schema xgrammar cannot compile is a 400 here
+        params.structured_outputs = so and StructuredOutputsParams(**so)
+        if so:
+            core.check_structured_outputs(params.structured_outputs)
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(f"{field}: {e}", param=field) from None
+    return params
+
+
+def structured_outputs(req: SamplingFields) -> tuple[dict | None, str | None]:
+    """The request's grammar as StructuredOutputsParams fields, and the field that asked."""
+    rf, asked = req.response_format, {}
+    if rf is not None and rf.type == "json_object":
+        asked["response_format"] = {"json_object": True}
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise OpenAIError("response_format: json_schema.schema is required for type json_schema",
+                              param="response_format")
+        asked["response_format"] = {"json": rf.json_schema.schema_}
+    if req.structured_outputs is not None:
+        asked["structured_outputs"] = req.structured_outputs
+    for kind in ("json", "regex", "choice", "grammar"):
+        if getattr(req, f"guided_{kind}") is not None:
+            asked[f"guided_{kind}"] = {kind: getattr(req, f"guided_{kind}")}
+    if len(asked) > 1:
+        raise OpenAIError(f"give one of {', '.join(asked)}, not several", param=list(asked)[1])
+    return next(iter(asked.values()), None), next(iter(asked), None)
 
 
 def submit(core: LLMEngine, prompts: list, params: SamplingParams, param: str) -> list:
