@@ -71,6 +71,16 @@ def test_params_validate_and_round_trip_to_the_core():
 
 
 @pytest.mark.timeout(120)
+def test_through_the_engine_core_process(monkeypatch, llm):
+    """The core process loads the tokenizer and compiles the grammar itself."""
+    params = sampled(SO(json=SCHEMA), 2) + sampled(SO(choice=CHOICES), 2)
+    want = [o.token_ids for o in texts(llm, params)]
+    monkeypatch.setenv("LONGSERVE_ENABLE_MULTIPROCESSING", "1")
+    with LLM(MODEL, **ENGINE) as mp:
+        assert [o.token_ids for o in texts(mp, params)] == want
+
+
+@pytest.mark.timeout(120)
 def test_json_schema_with_enum_and_required_always_validates(llm, pool_whole):
     outs = texts(llm, sampled(SO(json=SCHEMA), 12))
     for o in outs:
