@@ -114,6 +114,14 @@ def test_bad_grammar_is_refused_at_the_door_and_nothing_is_queued(llm, pool_whol
         with pytest.raises(ValueError, match=rf"structured_outputs\.{field}: xgrammar cannot compile"):
             llm.generate(["a", "b"], [good, SamplingParams(structured_outputs=so)], use_tqdm=False)
     assert llm.engine.output.num_unfinished == 0
+    with llm.engine.client.paused() as core:  # past the door: the core ends it with the error
+        core.add_request(EngineCoreRequest("bad", [1, 2, 3], SamplingParams(
+            structured_outputs=SO(regex="(open")).canonical()))
+        outs = []
+        while core.has_work():
+            outs += core.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
+    assert "structured_outputs.regex" in outs[0].error
     pool_whole(llm)
 
 

@@ -215,8 +215,8 @@ class EngineCore:
 
     # ---- what the front end asks --------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
-        s = self.scheduler
-        return SchedulerStats(len(s.running), len(s.waiting) + len(s.loading),
+        s, compiling = self.scheduler, len(self.structured.compiling)
+        return SchedulerStats(len(s.running), len(s.waiting) + len(s.loading) + compiling,
                               self.kv.num_free_blocks, self.kv.num_blocks,
                               self.kv.num_cached_tokens_queried, self.kv.num_cached_tokens_hit)
 
