@@ -12,7 +12,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 import uvicorn
+from hypothesis import given, settings, strategies as st
 from pydantic import BaseModel
 
 from longserve import LLM, SamplingParams
@@ -20,6 +22,7 @@ from longserve.engine.executor import free_port
 from longserve.engine.messages import ADD, EngineCoreRequest, decode_command, encode
 from longserve.entrypoints.openai.api_server import build_app
 from longserve.sampling_params import StructuredOutputsParams as SO
+from longserve.worker.sampler import apply_token_bitmask
 
 MODEL = "builtin:llama-tiny"  # 512 logits, a 485-token tokenizer: the rest must stay masked
 ENGINE = dict(device="cpu", max_model_len=512)
@@ -68,6 +71,28 @@ def test_params_validate_and_round_trip_to_the_core():
         params = SamplingParams(structured_outputs=so).canonical()
         req = decode_command(ADD, encode(EngineCoreRequest("1", [1, 2], params)))
         assert req.sampling_params == params and req.sampling_params.structured_outputs.key == so.key
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 100), st.data())
+def test_bitmask_keeps_exactly_the_allowed_tokens_of_its_rows(vocab, data):
+    """Bit j of word w allows token 32 w + j; masked rows keep exactly those, others are untouched."""
+    n = data.draw(st.integers(1, 5))
+    rows = sorted(data.draw(st.sets(st.integers(0, n - 1))))
+    words = -(-vocab // 32)
+    bits = data.draw(st.lists(st.booleans(), min_size=len(rows) * vocab, max_size=len(rows) * vocab))
+    allowed = torch.tensor(bits, dtype=torch.bool).reshape(len(rows), vocab)
+    padded = torch.zeros(len(rows), words * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    bitmask = (padded.reshape(len(rows), words, 32) << torch.arange(32)).sum(-1)
+    bitmask = torch.where(bitmask >= 2 ** 31, bitmask - 2 ** 32, bitmask).to(torch.int32)
+    logits = torch.randn(n, vocab)
+    masked = logits.clone()
+    apply_token_bitmask(masked, bitmask, rows)
+    for i in range(n):
+        keep = allowed[rows.index(i)] if i in rows else torch.ones(vocab, dtype=torch.bool)
+        assert torch.equal(masked[i][keep], logits[i][keep])
+        assert bool((masked[i][~keep] == float("-inf")).all())
 
 
 @pytest.mark.timeout(120)
