@@ -119,7 +119,7 @@ class Scheduler:
         child samples its first token from its own logits (its own seed). A child's step reads
         the shared blocks after the parent's step wrote them (the plans run in order)."""
         shared = parent.block_ids[:(parent.num_prompt_tokens - 1) // self.kv.tokens_per_block]
-        for child in parent.children:
+        for child in [c for c in parent.children if not c.is_finished]:  # (aborted while parked)
             child.block_ids = self.kv.share(shared)
             child.num_computed_tokens = len(shared) * self.kv.tokens_per_block
             child.status = RequestStatus.RUNNING
@@ -128,7 +128,7 @@ class Scheduler:
 
     def _end_children(self, parent: Request) -> None:
         """A parent that ends before its prompt is done takes its unforked choices with it."""
-        for child in parent.children:
+        for child in [c for c in parent.children if not c.is_finished]:
             child.error = parent.error
             self.finish_request(child.request_id, parent.finish_reason)
             self._finished_in_schedule.append(child)
