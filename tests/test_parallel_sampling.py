@@ -103,6 +103,14 @@ def test_a_stop_string_ends_one_choice(llm, pool_whole):
     pool_whole(llm)
 
 
+def test_only_choice_0_scores_the_prompt(llm, pool_whole):
+    one = gen(llm, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1))
+    three = gen(llm, SamplingParams(n=3, temperature=0, max_tokens=4, prompt_logprobs=1))
+    assert three.prompt_logprobs == one.prompt_logprobs and len(one.prompt_logprobs) == 37
+    assert ids(three) == ids(one) * 3
+    pool_whole(llm)
+
+
 def test_bad_n_is_refused_at_the_door(llm):
     for n, match in [(0, "n must be in"), (1.0, "n must be an integer"), (300, "max_num_seqs")]:
         with pytest.raises(ValueError, match=match):
@@ -113,7 +121,10 @@ def test_bad_n_is_refused_at_the_door(llm):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(prefill_context_parallel_size=2, block_size=4)])
+                                    dict(prefill_context_parallel_size=2, block_size=4),
+                                    dict(max_num_batched_tokens=16, async_scheduling=False),
+                                    dict(num_gpu_blocks=6)],  # preempts
+                         ids=["tp2", "pcp2", "chunked-sync", "preempt"])
 def test_parallel_layouts_give_one_rank_tokens(layout):
     params = [SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)]
@@ -121,11 +132,12 @@ def test_parallel_layouts_give_one_rank_tokens(layout):
     kw = dict(device="cpu", max_model_len=128, block_size=layout.get("block_size", 16))
     with LLM(MODEL, **kw) as one:
         want = [ids(o) for o in one.generate(prompts, params, use_tqdm=False)]
-    with LLM(MODEL, **kw, **layout) as llm:
+    with LLM(MODEL, **{**kw, **layout}) as llm:
         got = [ids(o) for o in llm.generate(prompts, params, use_tqdm=False)]
         kv = llm.engine.core.kv
         assert kv.num_free_blocks == kv.num_blocks
-    assert got == want
+        preempted = llm.engine.stats.num_preemptions
+    assert got == want and (preempted > 0) == ("num_gpu_blocks" in layout)
 
 
 # ---- the scheduler's fork rules, for any workload (the liveness machine with choices) ----------
