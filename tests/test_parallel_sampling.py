@@ -140,6 +140,30 @@ def test_parallel_layouts_give_one_rank_tokens(layout):
     assert got == want and (preempted > 0) == ("num_gpu_blocks" in layout)
 
 
+@pytest.mark.timeout(180)
+def test_kv_consumer_choices_fork_from_the_loaded_prompt(pool_whole):
+    from pd_utils import Producer
+    prompt = {"prompt_token_ids": PROMPT}
+    params = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(MODEL, device="cpu", max_model_len=256) as plain:
+        want = ids(gen(plain, SamplingParams(**params)))
+    prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
+    try:
+        kv = prod.call("prefill", prompt)
+        with LLM(MODEL, device="cpu", max_model_len=256,
+                 kv_transfer_config={"kv_role": "kv_consumer", "kv_transfer_timeout_s": 5}) as cons:
+            out = gen(cons, SamplingParams(n=3, **params, extra_args={"kv_transfer_params": kv}))
+            stats = cons.engine.core_stats()
+            assert ids(out) == want * 3 and stats["kv_connector_num_loaded_tokens"] == 36
+            assert stats["num_prompt_tokens_computed"] == 1 + 2 * 5  # its last token; the tails
+            pool_whole(cons)
+    finally:
+        prod.close()
+    with LLM(MODEL, device="cpu", max_model_len=256, kv_transfer_config={"kv_role": "kv_producer"}) as p:
+        with pytest.raises(ValueError, match="n must be 1 on a KV producer"):
+            gen(p, SamplingParams(n=2))
+
+
 # ---- the scheduler's fork rules, for any workload (the liveness machine with choices) ----------
 class ForkMachine(SchedulerMachine):
     children: frozenset = frozenset()  # ids of choices 1..n-1
