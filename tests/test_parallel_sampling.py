@@ -111,6 +111,15 @@ def test_only_choice_0_scores_the_prompt(llm, pool_whole):
     pool_whole(llm)
 
 
+@pytest.mark.timeout(120)
+def test_engine_core_in_its_own_process(llm, pool_whole, monkeypatch):
+    monkeypatch.setenv("LONGSERVE_ENABLE_MULTIPROCESSING", "1")
+    with LLM(MODEL, **ENGINE) as mp:
+        out = gen(mp, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True))
+        assert ids(out) == ids(gen(llm, GREEDY)) * 3
+        pool_whole(mp)
+
+
 def test_bad_n_is_refused_at_the_door(llm):
     for n, match in [(0, "n must be in"), (1.0, "n must be an integer"), (300, "max_num_seqs")]:
         with pytest.raises(ValueError, match=match):
