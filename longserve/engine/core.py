@@ -69,10 +69,14 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
-        req = Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids,
-                      arrival=r.arrival_time)
+        """One Request per choice: choice 0 computes the prompt, the others fork from it."""
+        params = r.sampling_params
+        reqs = [Request(cid, r.prompt_token_ids, params if params.n == 1 else params.choice(i),
+                        r.eos_token_ids, arrival=r.arrival_time) for i, cid in enumerate(r.choice_ids)]
+        req, req.children = reqs[0], reqs[1:]
         req.kv_transfer_params = dict(r.kv_transfer_params) if r.kv_transfer_params else None
-        self._num_sent[req.request_id] = 0
+        for cid in r.choice_ids:
+            self._num_sent[cid] = 0
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
