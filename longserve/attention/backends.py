@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from longserve.attention.cp_attention import correct_attn_out, merge_attn_states
+from longserve.attention.cp_attention import exchange_partials, merge_attn_states, merge_partials
 from longserve.attention.kv_cache_spec import MultipleOf
 from longserve.attention.kv_quant import dequantize_kv, quantize_kv
 from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
@@ -140,14 +140,9 @@ class TorchAttentionBackend:
                                         layer.kv_scale)
         if ps.cp.world_size == 1:
             return out, lse
-        lses = ps.cp.all_gather(lse.unsqueeze(0), 0)  # [W, N, Hg]
-        out, lse = correct_attn_out(out.float(), lses, ps.cp.rank_in_group)
-        out = ps.pcp.reduce_scatter(out, 0) if rows_split else ps.pcp.all_reduce(out)
-        out = ps.dcp.reduce_scatter(out, 1)
-        if rows_split:
-            lse = lse.chunk(ps.pcp.world_size, 0)[ps.pcp.rank_in_group]
-        lse = lse.chunk(ps.dcp.world_size, 1)[ps.dcp.rank_in_group]
-        return out.to(q.dtype), lse.contiguous()
+        parts = exchange_partials(out, lse, ps.cp, ps.dcp.world_size,
+                                  ps.pcp.world_size if rows_split else 1)
+        return self.merge_partials(parts, q.dtype)
 
     # ---- primitives (reference versions) ---------------------------------------------------
     @staticmethod
@@ -160,6 +155,7 @@ class TorchAttentionBackend:
         v_cache.view(-1, n_heads, d)[slots] = quantize_kv(v[keep], v_scale, v_cache.dtype)
 
     merge_states = staticmethod(merge_attn_states)  # merge two partial attentions by LSE
+    merge_partials = staticmethod(merge_partials)  # merge every CP rank's partial by LSE
 
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
@@ -212,6 +208,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def merge_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse=None):
         from longserve.attention.triton_kernels import merge_attn_states_triton
         merge_attn_states_triton(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse)
+
+    @staticmethod
+    def merge_partials(parts, dtype):
+        from longserve.attention.triton_kernels import merge_partials_triton
+        return merge_partials_triton(parts, dtype)
 
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
