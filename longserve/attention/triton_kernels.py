@@ -238,6 +238,12 @@ def _paged_attn_kernel(
 
 
 @triton.jit
+def _clean(lse):
+    """NaN or +inf LSE (an empty or broken state) -> -inf: it weighs 0."""
+    return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+
+
+@triton.jit
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     stride_ps, stride_pt, stride_ph,  # part_out [S, T, H, D]
@@ -251,7 +257,7 @@ def _merge_splits_kernel(
     lse_row = part_lse_ptr + t * stride_qt + h * stride_qh
     out_row = part_out_ptr + t * stride_pt + h * stride_ph
     s = tl.arange(0, BLOCK_S).to(tl.int64)
-    lse = tl.load(lse_row + s * stride_qs, mask=s < NUM_SPLITS, other=float("-inf"))  # [S]
+    lse = _clean(tl.load(lse_row + s * stride_qs, mask=s < NUM_SPLITS, other=float("-inf")))  # [S]
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.sum(tl.exp(lse - m), axis=0)  # empty splits weigh 0
@@ -260,7 +266,7 @@ def _merge_splits_kernel(
     for s0 in range(0, NUM_SPLITS, CHUNK_S):
         sc = (s0 + tl.arange(0, CHUNK_S)).to(tl.int64)
         sc_ok = sc < NUM_SPLITS
-        w = tl.exp(tl.load(lse_row + sc * stride_qs, mask=sc_ok, other=float("-inf")) - m)  # [C]
+        w = tl.exp(_clean(tl.load(lse_row + sc * stride_qs, mask=sc_ok, other=float("-inf"))) - m)
         o = tl.load(out_row + sc[:, None] * stride_ps + d[None, :],
                     mask=sc_ok[:, None] & (d < D)[None, :], other=0.0)  # [C, D]
         acc += tl.sum(tl.where(w[:, None] > 0, o * w[:, None], 0.0), axis=0)
@@ -342,6 +348,17 @@ def _merge_kv_splits(o_buf, l_buf, out, lse) -> None:
         CHUNK_S=min(16, triton.next_power_of_2(num_kv_splits)), BLOCK_D=triton.next_power_of_2(D),
         num_warps=4,
     )
+
+
+def merge_partials_triton(parts: torch.Tensor, dtype: torch.dtype):
+    """[S, T, H, D + 1] float32 partials, each with its LSE in the last column (the CP
+    exchange, attention/cp_attention.py) -> out [T, H, D] in `dtype`, lse [T, H]: one launch."""
+    S, T, H, E = parts.shape
+    out = torch.empty(T, H, E - 1, dtype=dtype, device=parts.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=parts.device)
+    if T:
+        _merge_kv_splits(parts[..., :-1], parts[..., -1], out, lse)
+    return out, lse
 
 
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
