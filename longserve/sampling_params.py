@@ -83,6 +83,7 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
+    n: int = 1  # choices from one prompt (computed once; the choices share its KV blocks)
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -112,8 +113,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.top_k = as_int(self.top_k, "top_k (-1 or 0: off)", -1)
         self.top_k = 0 if self.top_k == -1 else self.top_k
-        if self.seed is not None:
-            self.seed = as_int(self.seed, "seed", *SEED_RANGE)
+        self.n = as_int(self.n, "n", 1)
+        if self.seed is not None:  # choice i samples with seed + i
+            self.seed = as_int(self.seed, "seed", SEED_RANGE[0], SEED_RANGE[1] - self.n + 1)
         if self.max_tokens is not None:
             self.max_tokens = as_int(self.max_tokens, "max_tokens", 1)
         self.min_tokens = as_int(self.min_tokens, "min_tokens", 0)
@@ -160,6 +162,12 @@ class SamplingParams:
             values["structured_outputs"] = StructuredOutputsParams(
                 **{kind: json.loads(spec) if kind == "choice" else spec or True})
         return SamplingParams(**values)
+
+    def choice(self, i: int) -> "SamplingParams":
+        """Choice i of n, one choice: seeded choices differ (seed + i) and repeat; only choice 0
+        scores the prompt (prompt_logprobs)."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i,
+                                   prompt_logprobs=self.prompt_logprobs if i == 0 else None)
 
     @property
     def greedy(self) -> bool:

@@ -72,18 +72,22 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
-        req = Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids,
-                      arrival=r.arrival_time)
+        """One Request per choice: choice 0 computes the prompt, the others fork from it."""
+        params = r.sampling_params
+        reqs = [Request(cid, r.prompt_token_ids, params if params.n == 1 else params.choice(i),
+                        r.eos_token_ids, arrival=r.arrival_time) for i, cid in enumerate(r.choice_ids)]
+        req, req.children = reqs[0], reqs[1:]
         req.kv_transfer_params = dict(r.kv_transfer_params) if r.kv_transfer_params else None
-        self._num_sent[req.request_id] = 0
-        if r.sampling_params.structured_outputs is not None:
-            self.structured.add(req)  # joins the scheduler once its grammar is compiled
+        for cid in r.choice_ids:
+            self._num_sent[cid] = 0
+        if params.structured_outputs is not None:
+            self.structured.add(req)  # joins the scheduler (choices too) once its grammar is compiled
         else:
             self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.structured.compiling.pop(request_id, None)
+            self.structured.abort(request_id)
             self.scheduler.finish_request(request_id, "abort")
             self._num_sent.pop(request_id, None)
 
@@ -115,7 +119,7 @@ class EngineCore:
         failed = []
         for req in self.structured.ready(block=idle):
             if req.grammar is None:
-                failed.append(req)
+                failed += [req] + req.children
             else:
                 self.scheduler.add_request(req)
         return failed

@@ -95,16 +95,6 @@ class LLMEngine:
             self.check_kv_transfer_params(req)
         return req
 
-    def make_requests(self, prompt, params: SamplingParams,
-                      data_parallel_rank: int | None = None) -> list[EngineCoreRequest]:
-        """One request per choice (SamplingParams.n, when it exists): validated at the door."""
-        n = getattr(params, "n", 1)
-        req = self.make_request(prompt, params, data_parallel_rank)
-        if n == 1:
-            return [req]
-        return [self.make_request({"prompt_token_ids": req.prompt_token_ids},
-                                  _choice_params(params, i), data_parallel_rank) for i in range(n)]
-
     def check_prompt(self, ids: list[int]) -> None:
         max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size
         if not ids:
@@ -123,6 +113,12 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name} must be in [0, {vocab}] (the vocabulary), got {k}")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n must be at most max_num_seqs={self.config.scheduler.max_num_seqs} "
+                             f"(the choices run together), got {params.n}")
+        if params.n > 1 and self.config.kv_transfer.kv_role in ("kv_producer", "kv_both"):
+            raise ValueError("n must be 1 on a KV producer instance (it hands one prompt's KV to a "
+                             "decode instance; ask that one for several choices)")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -162,7 +158,8 @@ class LLMEngine:
         core = self.coordinator.choose(request.data_parallel_rank)
         if core in self.coordinator.dead:
             raise EngineDeadError(self.client.dead.get(core, f"engine core {core} is dead"))
-        sink = sink if sink is not None else RequestStream(request.request_id, loop)
+        sink = sink if sink is not None else RequestStream(request.request_id, loop,
+                                                           request.sampling_params.n)
         self.output.add(request, sink, core)
         wave = self.coordinator.on_send(core)
         self.client.add_request(core, request)
@@ -171,12 +168,13 @@ class LLMEngine:
         return sink
 
     def abort(self, request_id: str) -> None:
+        """End a request, every choice of it."""
         core = self.output.engine_of(request_id)
         if core is None:
             return
-        self.output.abort(request_id)
+        choice_ids = self.output.abort(request_id)
         try:
-            self.client.abort(core, [request_id])
+            self.client.abort(core, choice_ids)
         except RuntimeError:
             pass  # its core is gone: nothing of it is left to free
 
@@ -278,13 +276,6 @@ class LLMEngine:
         self._closed = True
         self.client.shutdown(timeout)
         self.output.fail(EngineDeadError("the engine is shutting down"))
-
-
-def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """Choice i of an n > 1 request: one choice; a seeded request's choices differ."""
-    from dataclasses import replace
-    seed = None if params.seed is None else params.seed + i
-    return replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if i == 0 else None)
 
 
 def check_dp_rank(rank, dp_size: int) -> None:

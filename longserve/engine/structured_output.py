@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from longserve.config import ModelConfig
-from longserve.engine.request import Request
+from longserve.engine.request import Request, RequestStatus
 from longserve.sampling_params import StructuredOutputsParams
 from longserve.step_plan import SchedulerOutput
 
@@ -79,6 +79,14 @@ class StructuredOutputManager:
         key = req.sampling_params.structured_outputs.key
         self.compiling[req.request_id] = req, self._pool.submit(lambda: self.compiler().compile(*key))
 
+    def abort(self, req_id: str) -> None:
+        """A compiling request, or one choice of it (never forked: `Scheduler._fork`)."""
+        self.compiling.pop(req_id, None)
+        for req, _ in self.compiling.values():
+            for child in req.children:
+                if child.request_id == req_id:
+                    child.status, child.finish_reason = RequestStatus.FINISHED, "abort"
+
     def ready(self, block: bool) -> list[Request]:
         """Requests whose grammar compiled (a matcher attached) or failed (finished with the
         error), in arrival order. block: wait up to 50 ms for one (nothing else to do)."""
@@ -88,11 +96,11 @@ class StructuredOutputManager:
         for req_id, (req, future) in list(self.compiling.items()):
             if future.done():
                 del self.compiling[req_id]
-                try:
-                    compiled = future.result()
-                    req.grammar = self._compiler.xgr.GrammarMatcher(compiled)
-                except Exception as e:
-                    req.finish_reason, req.error = "error", str(e)
+                for r in [req] + req.children:  # n > 1: a matcher per choice
+                    try:
+                        r.grammar = self._compiler.xgr.GrammarMatcher(future.result())
+                    except Exception as e:
+                        r.finish_reason, r.error = "error", str(e)
                 out.append(req)
         return out
 

@@ -53,6 +53,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1)
+    best_of: int | None = None  # refused above 1 (n gives several choices)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
@@ -82,7 +83,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
 

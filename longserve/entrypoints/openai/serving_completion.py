@@ -37,9 +37,8 @@ class OpenAIServingCompletion:
 
     async def create_completion(self, req: CompletionRequest):
         check_model(req.model, self.served_names)
-        if req.best_of not in (None, 1) or req.suffix:
-            raise OpenAIError("best_of > 1 and suffix are not supported",
-                              param="best_of" if req.suffix is None else "suffix")
+        if req.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
         if req.echo and req.logprobs is not None:
             raise OpenAIError("echo with logprobs needs the prompt's logprobs, which this server "
                               "does not return yet", param="echo")
@@ -54,7 +53,7 @@ class OpenAIServingCompletion:
             return StreamingResponse(body, media_type="text/event-stream")
         outs = await read_all(self.core, streams)
         check_errors(outs)
-        choices = [self._choice(i, out, echoes[i], 0, name, req.return_token_ids)
+        choices = [self._choice(i, out, echoes[i // req.n], 0, name, req.return_token_ids)
                    for i, out in enumerate(outs)]
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs),
                                   kv_transfer_params=kv_transfer_params(outs))
@@ -87,11 +86,11 @@ class OpenAIServingCompletion:
 
     async def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, name):
         outs: dict[int, StreamOutput] = {}
-        offsets = [0] * len(streams)
+        offsets = [0] * (len(streams) * req.n)
         try:
             async with aclosing(read_streams(self.core, streams)) as deltas:
                 async for index, out in deltas:
-                    prefix = echoes[index] if index not in outs else ""
+                    prefix = echoes[index // req.n] if index not in outs else ""
                     outs[index] = out if index not in outs else outs[index].merged(out)
                     check_errors([out])
                     if not (prefix or out.text or out.finished or out.logprobs or req.return_token_ids):
