@@ -112,6 +112,11 @@ def test_json_schema_with_enum_and_required_always_validates(llm, pool_whole):
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(loads(o.text), SCHEMA)
         assert all(t < 485 for t in o.token_ids)  # the tokenizer's tokens (EOS is 2)
+    n3 = llm.generate(["hi"], SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=100,
+                                             structured_outputs=SO(json=SCHEMA)), use_tqdm=False)
+    assert len({o.text for o in n3[0].outputs}) > 1  # each choice has a matcher of its own
+    for o in n3[0].outputs:
+        jsonschema.validate(loads(o.text), SCHEMA)
     pool_whole(llm)
 
 

@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from longserve.config import ModelConfig
-from longserve.engine.request import Request, RequestStatus
+from longserve.engine.request import Request
 from longserve.sampling_params import StructuredOutputsParams
 from longserve.step_plan import SchedulerOutput
 
@@ -80,12 +80,10 @@ class StructuredOutputManager:
         self.compiling[req.request_id] = req, self._pool.submit(lambda: self.compiler().compile(*key))
 
     def abort(self, req_id: str) -> None:
-        """A compiling request, or one choice of it (never forked: `Scheduler._fork`)."""
+        """A compiling request, or one choice of it."""
         self.compiling.pop(req_id, None)
         for req, _ in self.compiling.values():
-            for child in req.children:
-                if child.request_id == req_id:
-                    child.status, child.finish_reason = RequestStatus.FINISHED, "abort"
+            req.children = [c for c in req.children if c.request_id != req_id]
 
     def ready(self, block: bool) -> list[Request]:
         """Requests whose grammar compiled (a matcher attached) or failed (finished with the
