@@ -94,11 +94,12 @@ class StructuredOutputManager:
         for req_id, (req, future) in list(self.compiling.items()):
             if future.done():
                 del self.compiling[req_id]
+                error = future.exception()
                 for r in [req] + req.children:  # n > 1: a matcher per choice
-                    try:
+                    if error is None:
                         r.grammar = self._compiler.xgr.GrammarMatcher(future.result())
-                    except Exception as e:
-                        r.finish_reason, r.error = "error", str(e)
+                    else:
+                        r.finish_reason, r.error = "error", str(error)
                 out.append(req)
         return out
 
