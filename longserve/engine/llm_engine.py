@@ -122,9 +122,10 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name} must be in [0, {vocab}] (the vocabulary), got {k}")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         check_request_fits(num_prompt_tokens, params.max_tokens, self.config.scheduler.max_model_len,
                            self.num_blocks, self.tokens_per_block)
 
