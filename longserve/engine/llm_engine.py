@@ -45,6 +45,7 @@ class LLMEngine:
         self.tokenizer = self.tokenizer_info.tokenizer
         self.output = OutputProcessor(self.decode)
         self.error: str | None = None  # set when no core can serve any more
+        self.log_requests = False  # an INFO line per request (the server's --enable-log-requests)
         self._closed = False
         self._ids = itertools.count()
         self.coordinator = DPCoordinator(config.parallel.data_parallel_size, config.dp_lockstep)
@@ -152,6 +153,9 @@ class LLMEngine:
         core = self.coordinator.choose(request.data_parallel_rank)
         if core in self.coordinator.dead:
             raise EngineDeadError(self.client.dead.get(core, f"engine core {core} is dead"))
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request.request_id,
+                        request.num_prompt_tokens, request.sampling_params)
         sink = sink if sink is not None else RequestStream(request.request_id, loop)
         self.output.add(request, sink, core)
         wave = self.coordinator.on_send(core)
