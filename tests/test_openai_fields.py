@@ -218,3 +218,38 @@ def test_banner_and_request_log(server, log):
         server.core.log_requests = False
     logged = [line for line in log.lines if "prompt tokens" in line]
     assert count() == before + 1 and f": {len(PROMPT)} prompt tokens" in logged[-1]
+
+
+@pytest.mark.timeout(300)
+def test_lm_eval_loglikelihood_requests_match_hf_transformers(smollm2_gguf):
+    """What lm-eval's local-completions sends for a loglikelihood (echo, logprobs=1, max_tokens
+    1, temperature 0; the text of context + continuation tokens) against SmolLM2, scored as
+    lm-eval does (token_logprobs[ctxlen:-1]), equals HF transformers on the same GGUF."""
+    import json
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    where = dict(pretrained_model_name_or_path=os.path.dirname(smollm2_gguf),
+                 gguf_file=os.path.basename(smollm2_gguf))
+    tok = AutoTokenizer.from_pretrained(**where)
+    hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+    srv = ServerThread(lambda: LLM(smollm2_gguf, device="cpu", max_model_len=512).engine)
+    try:
+        srv.wait_healthy(120)
+        docs = [json.loads(line) for line in open("benchmarks/lm_eval/longserve_mc.jsonl")][:4]
+        for doc in docs:
+            ctx = tok(f"Question: {doc['question']}\nAnswer:")["input_ids"]
+            for choice in doc["choices"]:
+                ids = ctx + tok(f" {choice}")["input_ids"]
+                body = dict(model=MODEL, prompt=tok.decode(ids), echo=True, logprobs=1, max_tokens=1,
+                            temperature=0, seed=1234)
+                got = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
+                lps = got["choices"][0]["logprobs"]["token_logprobs"]
+                assert len(lps) == len(ids) + 1
+                with torch.no_grad():
+                    ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+                want = sum(ref[i - 1, ids[i]].item() for i in range(len(ctx), len(ids)))
+                assert sum(lps[len(ctx):-1]) == pytest.approx(want, abs=1e-3)
+    finally:
+        srv.stop()
