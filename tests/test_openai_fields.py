@@ -232,11 +232,12 @@ def test_lm_eval_loglikelihood_requests_match_hf_transformers(smollm2_gguf):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     where = dict(pretrained_model_name_or_path=os.path.dirname(smollm2_gguf),
                  gguf_file=os.path.basename(smollm2_gguf))
-    tok = AutoTokenizer.from_pretrained(**where)
-    hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
-    srv = ServerThread(lambda: LLM(smollm2_gguf, device="cpu", max_model_len=512).engine)
+    llm = LLM(smollm2_gguf, device="cpu", max_model_len=512)  # held: the server serves its engine
+    srv = ServerThread(lambda: llm.engine)
     try:
         srv.wait_healthy(120)
+        tok = AutoTokenizer.from_pretrained(**where)
+        hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         docs = [json.loads(line) for line in open("benchmarks/lm_eval/longserve_mc.jsonl")][:4]
         for doc in docs:
             ctx = tok(f"Question: {doc['question']}\nAnswer:")["input_ids"]
@@ -251,5 +252,7 @@ def test_lm_eval_loglikelihood_requests_match_hf_transformers(smollm2_gguf):
                     ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
                 want = sum(ref[i - 1, ids[i]].item() for i in range(len(ctx), len(ids)))
                 assert sum(lps[len(ctx):-1]) == pytest.approx(want, abs=1e-3)
+                scored = httpx.post(f"{srv.url}/v1/completions", json=dict(body, max_tokens=0)).json()
+                assert scored["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(lps[:-1])
     finally:
         srv.stop()
