@@ -14,6 +14,7 @@ their decode steps; --model builtin:llama3-8b-1kv-shape is the shape where DCP s
     python benchmarks/bench_capacity.py --tokens 131072 --pcp 1 --tp 2 --dcp 2 --model builtin:llama3-8b-1kv-shape
 """
 import argparse
+import gc
 import os
 import time
 
@@ -66,8 +67,8 @@ def run(args, kv_cache_dtype: str) -> float:
     cfg = llm.config.model
     prompt = {"prompt_token_ids": np.random.default_rng(0).integers(100, 128000, s).tolist()}
     with llm.engine.client.paused() as core:  # this thread steps the engine core
-        model = core.executor.driver.runner.model  # rank 0's share of the weights
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        weight_bytes = sum(p.numel() * p.element_size()  # rank 0's share of the weights
+                           for p in core.executor.driver.runner.model.parameters())
         pool_tokens = core.kv.num_blocks * core.kv.tokens_per_block
         req, prefill_s, step_times = prefill_and_decode(llm.engine, core, prompt, args.decode)
     ranks = args.pcp * args.tp
@@ -88,6 +89,9 @@ def run(args, kv_cache_dtype: str) -> float:
     print(f"KV of the prompt: {kv_bytes / 2**30:.1f} GiB in all, {rank_kv / 2**30:.1f} GiB per rank; "
           f"one GPU has {gpu_mem / 2**30:.0f} GiB; the pool holds {pool_tokens} tokens")
     llm.shutdown()
+    del llm, core, req
+    gc.collect()
+    torch.cuda.empty_cache()  # the next run (another KV dtype) gets the whole device
     return step_ms
 
 

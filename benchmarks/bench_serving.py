@@ -149,10 +149,13 @@ async def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: f
     ttft = np.array([r["ttft"] for r in res])
     itl = np.array([x for r in res for x in r["itl"]] or [0.0])
     ms = lambda a, q: round(1e3 * float(np.percentile(a, q)), 2)  # noqa: E731
+    t_first = min(r["sent"] for r in res)
+    slowest = [dict(index=int(i), sent_s=round(res[i]["sent"] - t_first, 2), ttft_ms=round(1e3 * ttft[i], 1))
+               for i in np.argsort(-ttft)[:4]]  # where a TTFT tail comes from
     return dict(rate=rate, duration_s=round(span, 3), req_s=round(len(res) / span, 3),
                 out_tok_s=round(sum(r["tokens"] for r in res) / span, 1),
                 ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(itl, 50),
-                itl_p99_ms=ms(itl, 99))
+                itl_p99_ms=ms(itl, 99), slowest=slowest)
 
 
 def sweep(args, model: str, vocab: int, url: str) -> list[dict]:

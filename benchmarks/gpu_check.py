@@ -4,6 +4,10 @@
 2. bfloat16 agrees with float32 on >= 99% of greedy tokens over 256-token generations
    (counted up to the first divergence per request, then the rest compared as well).
 3. CUDA graphs (full graphs for decode, piecewise for steps with prefill) give the tokens of eager.
+4. --cp-merge: the CP merge (attention/cp_attention.py). One GPU: the Triton merge kernel
+   against the torch reference and the old path's formula, eager and replayed in a CUDA graph.
+   Two or more GPUs: the one all-to-all + merge over NCCL against the old LSE all-gather +
+   all-reduce / reduce-scatter sequence, captured in a CUDA graph too, with both timed.
 """
 import argparse
 import json
@@ -11,8 +15,12 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from longserve import LLM, SamplingParams
+from longserve.attention.cp_attention import exchange_partials, merge_partials
+from longserve.distributed.parallel_state import GroupCoordinator
 
 
 def prompts(n, lo, hi, vocab, seed=0):
@@ -103,6 +111,97 @@ def parallel_checks(name, layouts, rows, dev, eager_check, skip_bf16=False):
         print(rows[-5:], flush=True)
 
 
+def old_merge(out, lse, g, scatter_heads):
+    """The path the exchange replaced: LSE all-gather, rescale, all-reduce or reduce-scatter."""
+    lses = g.all_gather(lse[None].contiguous(), 0)
+    glob = torch.logsumexp(lses, 0)
+    x = out.float() * torch.exp(lse - glob).nan_to_num(0.0)[..., None]
+    return g.reduce_scatter(x, 1) if scatter_heads else g.all_reduce(x)
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up); returns a replay that gives its output."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = fn()
+    return lambda: (graph.replay(), res)[1]
+
+
+def timed_us(fn, n=200):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def cp_merge_kernel_check(rows):
+    """One GPU: merge_partials_triton vs the torch reference and the old formula, with empty
+    shards (-inf) and a row empty on every shard; eager and in a CUDA graph."""
+    from longserve.attention.triton_kernels import merge_partials_triton
+    for W, dtype in [(2, torch.float32), (4, torch.bfloat16), (8, torch.bfloat16)]:
+        parts = torch.randn(W, 64, 32, 129, device="cuda")
+        parts[..., -1] *= 4
+        parts[0, :8, :, -1] = float("-inf")
+        parts[:, 9, :, -1] = float("-inf")
+        ref, ref_lse = merge_partials(parts.double(), torch.float64)
+        lses = parts[..., -1]
+        glob = torch.logsumexp(lses, 0)
+        old = (parts[..., :-1] * torch.exp(lses - glob).nan_to_num(0.0)[..., None]).sum(0)
+        out, lse = merge_partials_triton(parts, dtype)
+        replay = graphed(lambda: merge_partials_triton(parts, dtype))
+        parts.copy_(parts.flip(0))  # new values, same shapes: the replay must follow them
+        g_out, _ = replay()
+        g_ref = merge_partials(parts.double(), torch.float64)[0]
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        ok = all(torch.allclose(a.double(), b, atol=tol, rtol=tol)
+                 for a, b in [(out, ref), (out, old.double()), (g_out, g_ref)])
+        ok = ok and torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse.float()))
+        rows.append(("cp-merge", f"Triton merge, {W} shards, {dtype}: eager, old formula, graph", float(ok), True))
+
+
+def _cp_merge_rank(rank, world, port, results):
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.cuda.set_device(rank)
+    g = GroupCoordinator(list(range(world)), rank, dist.group.WORLD)
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    out = torch.randn(8, 32 * world, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    lse = torch.randn(8, 32 * world, device="cuda", generator=gen) * 4
+    if rank == world - 1:
+        lse.fill_(float("-inf"))  # an empty shard
+    res = {}
+    for tag, dcp, scatter in [("dcp", world, True), ("pcp", 1, False)]:
+        new = lambda: merge_partials(exchange_partials(out, lse, g, dcp), torch.float32)[0]  # noqa: E731
+        old = lambda: old_merge(out, lse, g, scatter)  # noqa: E731
+        err = (new() - old()).abs().max().item()
+        graph_err = (graphed(new)() - old()).abs().max().item()
+        res[tag] = (err, graph_err, timed_us(old), timed_us(new))
+    results.put((rank, res))
+    dist.destroy_process_group()
+
+
+def cp_merge_collective_check(rows):
+    """All GPUs as one CP group: one all-to-all + merge equals the old three-collective path."""
+    world = torch.cuda.device_count()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = 29500 + os.getpid() % 1000
+    procs = [ctx.Process(target=_cp_merge_rank, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join()
+    for tag, (err, graph_err, old_us, new_us) in got[0].items():
+        rows.append(("cp-merge", f"{tag}={world} all-to-all vs old path (max err {err:.1e}, graph "
+                     f"{graph_err:.1e}; old {old_us:.0f} us, new {new_us:.0f} us)",
+                     float(max(err, graph_err) < 1e-4), True))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -113,10 +212,16 @@ def main():
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--eager-check", action="store_true", help="also CUDA graphs vs eager per layout")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cp-merge", action="store_true", help="only the CP merge checks (item 4)")
     args = ap.parse_args()
     layouts = json.loads(args.parallel)
     rows = []
-    for name in args.models.split(","):
+    if args.cp_merge:
+        cp_merge_kernel_check(rows)
+        if torch.cuda.device_count() > 1:
+            cp_merge_collective_check(rows)
+        args.models = ""
+    for name in filter(None, args.models.split(",")):
         if layouts:
             parallel_checks(name, layouts, rows, args.device, args.eager_check, args.skip_bf16)
         else:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import queue
-from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -264,15 +263,6 @@ def _next_output(done: queue.SimpleQueue) -> RequestOutput:
         return item
 
 
-def merge_choices(outs: list[RequestOutput]) -> RequestOutput:
-    """The n choices of one prompt (requests "0_<id>", "1_<id>", ...) as one RequestOutput."""
-    if len(outs) == 1:
-        return outs[0]
-    first = outs[0]
-    choices = [replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
-    return replace(first, outputs=choices, error=next((o.error for o in outs if o.error), None))
-
-
 class LLM:
     """Offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
@@ -293,11 +283,10 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        groups = [self.engine.make_requests(p, sp, data_parallel_rank)  # one per choice
-                  for p, sp in zip(prompts, params)]
+        requests = [self.engine.make_request(p, sp, data_parallel_rank)
+                    for p, sp in zip(prompts, params)]
         done: queue.SimpleQueue = queue.SimpleQueue()
         outputs: dict[str, RequestOutput] = {}
-        requests = [r for group in groups for r in group]
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2)
         try:
             for req in requests:  # all validated before any is queued
@@ -312,7 +301,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [merge_choices([outputs[r.request_id] for r in group]) for group in groups]
+        return [outputs[r.request_id] for r in requests]  # n choices each: .outputs[i]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,

@@ -8,6 +8,7 @@ workers, whatever subclass or extra attributes the caller used.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -40,7 +41,49 @@ def _short(value) -> str:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of a JSON schema (dict or str), a regex, a
+    list of choices, an EBNF grammar, or json_object=True (any JSON object)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {kinds or 'none'}")
+        for name, ok in (("json", isinstance(self.json, (dict, str, type(None)))),
+                         ("regex", isinstance(self.regex, (str, type(None)))),
+                         ("grammar", isinstance(self.grammar, (str, type(None)))),
+                         ("json_object", self.json_object in (None, True, False)),
+                         ("choice", self.choice is None or (isinstance(self.choice, (list, tuple))
+                          and self.choice and all(isinstance(c, str) for c in self.choice)))):
+            if not ok:
+                raise ValueError(f"structured_outputs.{name} has the wrong type: "
+                                 f"{_short(getattr(self, name))}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): what a grammar is compiled from, and its cache key."""
+        if self.json is not None:
+            return "json", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        if self.json_object:
+            return "json_object", ""
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
+
+
+@dataclass
 class SamplingParams:
+    n: int = 1  # choices from one prompt (computed once; the choices share its KV blocks)
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -56,6 +99,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     extra_args: dict | None = None  # {"kv_transfer_params": {...}}: a consumer loads the prompt's KV
+    structured_outputs: StructuredOutputsParams | None = None  # output constrained by a grammar
 
     def __post_init__(self):
         self.validate()
@@ -70,8 +114,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.top_k = as_int(self.top_k, "top_k (-1 or 0: off)", -1)
         self.top_k = 0 if self.top_k == -1 else self.top_k
-        if self.seed is not None:
-            self.seed = as_int(self.seed, "seed", *SEED_RANGE)
+        self.n = as_int(self.n, "n", 1)
+        if self.seed is not None:  # choice i samples with seed + i
+            self.seed = as_int(self.seed, "seed", SEED_RANGE[0], SEED_RANGE[1] - self.n + 1)
         if self.max_tokens is not None:
             self.max_tokens = as_int(self.max_tokens, "max_tokens", 0)  # 0: score the prompt only
         self.min_tokens = as_int(self.min_tokens, "min_tokens", 0)
@@ -93,6 +138,9 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {_short(getattr(self, name))}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {_short(so)}")
 
     @staticmethod
     def _stop_strings(stop) -> list[str]:
@@ -117,7 +165,17 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)}
         values = {k: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
                   for k, v in values.items()}
+        if self.structured_outputs is not None:  # plain, the schema as canonical JSON text
+            kind, spec = self.structured_outputs.key
+            values["structured_outputs"] = StructuredOutputsParams(
+                **{kind: json.loads(spec) if kind == "choice" else spec or True})
         return SamplingParams(**values)
+
+    def choice(self, i: int) -> "SamplingParams":
+        """Choice i of n, one choice: seeded choices differ (seed + i) and repeat; only choice 0
+        scores the prompt (prompt_logprobs)."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i,
+                                   prompt_logprobs=self.prompt_logprobs if i == 0 else None)
 
     @property
     def greedy(self) -> bool:

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longserve.attention.backends import (_folded_gqa, gathered_paged_attention,
-                                          reference_attention, varlen_causal)
+from longserve.attention.backends import (_folded_gqa, batched_decode_attention,
+                                          gathered_paged_attention, reference_attention,
+                                          varlen_causal)
 from longserve.attention.metadata import PagedPart, VarlenLayout
 from tests.test_triton_kernels import ref_paged_attention
 
@@ -83,6 +84,22 @@ def test_gathered_paged_attention_any_batch(rows, lens, page, seed):
     ref_out, ref_lse = _reference_paged(q, kc, vc, part, 0.2)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(0, 70), min_size=1, max_size=5), page=st.sampled_from([4, 16]),
+       g=st.sampled_from([1, 4]), seed=st.integers(0, 1000))
+def test_batched_decode_attention_any_batch(lens, page, g, seed):
+    """One row a request, any cached lengths (empty included): the reference's result; the
+    slots built by the first call serve the next (a step's later layers)."""
+    q, kc, vc, part = _paged(seed, "cpu", torch.float32, page=page, g=g, rows=(1,) * len(lens),
+                             lens=tuple(lens))
+    ref_out, ref_lse = _reference_paged(q, kc, vc, part, 0.2)
+    for _ in range(2):
+        out, lse = batched_decode_attention(q, kc, vc, part, 0.2)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert part.packed is not None
 
 
 def test_gathered_paged_attention_equals_reference():

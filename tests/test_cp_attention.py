@@ -6,10 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_utils import run_distributed
-from longserve.attention.cp_attention import (correct_attn_out, cp_lse_ag_out_ar,
-                                              cp_lse_ag_out_rs, merge_attn_states)
+from longserve.attention.cp_attention import exchange_partials, merge_attn_states, merge_partials
 from longserve.config import ParallelConfig
-from longserve.distributed.parallel_state import build_parallel_state
+from longserve.distributed.parallel_state import GroupCoordinator, build_parallel_state
 
 
 def attention(q, k, v):
@@ -47,39 +46,64 @@ shardings = st.tuples(
 )
 
 
+class Recorder:
+    """A CP group of one rank that keeps what it would send (the all-to-all is done by hand)."""
+    def __init__(self, world_size):
+        self.world_size = world_size
+
+    def all_to_all(self, x):
+        self.sent = x
+        return x
+
+
+def exchange_by_hand(parts, pcp, dcp, row_split):
+    """Every rank's exchange_partials input, then what each rank receives: [W, ...] by rank."""
+    sent = []
+    for out, lse in parts:
+        group = Recorder(pcp * dcp)
+        exchange_partials(out, lse, group, dcp, row_split)
+        sent.append(group.sent)
+    return [torch.stack([sent[src][dst] for src in range(pcp * dcp)]) for dst in range(pcp * dcp)]
+
+
 @settings(max_examples=150, deadline=None)
-@given(shardings, st.booleans())
-def test_lse_merge_equals_attention_over_the_union(sharding, base_e):
-    T, H, D, N, owners, empty_lse, seed = sharding
+@given(shardings, st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]), st.booleans())
+def test_exchange_and_merge_equal_attention_over_the_union(sharding, layout, rows_split):
+    """Every (pcp, dcp) rank keeps its rows (PCP-split or all) and heads (its DCP share) of
+    the attention over every rank's keys; empty shards (-inf / NaN / +inf LSE) weigh 0."""
+    T, H, D, _, owners, empty_lse, seed = sharding
+    pcp, dcp = layout
+    row_split = pcp if rows_split else 1
+    T, H = T * row_split, H * dcp
     q, k, v = random_qkv(T, H, D, len(owners), seed)
-    owner = torch.tensor(owners, dtype=torch.int64) % N
-    parts = [shard_attention(q, k, v, owner, r, empty_lse) for r in range(N)]
-    lses = torch.stack([lse for _, lse in parts])  # [N, T, H]
-    if not base_e:
-        lses = torch.where(torch.isfinite(lses), lses / math.log(2), lses)
-    merged = torch.zeros(T, H, D)
-    for r, (out, _) in enumerate(parts):
-        corrected, lse = correct_attn_out(out, lses, r, is_lse_base_on_e=base_e)
-        assert corrected.dtype == out.dtype and not corrected.isnan().any()
-        merged += corrected
+    owner = torch.tensor(owners, dtype=torch.int64) % (pcp * dcp)
+    parts = [shard_attention(q, k, v, owner, r, empty_lse) for r in range(pcp * dcp)]
     ref_out, ref_lse = attention(q, k, v)
-    if len(owners) == 0:  # no keys anywhere: zeros and -inf, never NaN
-        assert torch.equal(merged, torch.zeros_like(merged))
-        assert bool(torch.isneginf(lse).all())
-        return
-    expected_lse = ref_lse if base_e else ref_lse / math.log(2)
-    torch.testing.assert_close(merged.double(), ref_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+    for rank, received in enumerate(exchange_by_hand(parts, pcp, dcp, row_split)):
+        rows = slice(None) if row_split == 1 else slice(rank // dcp * T // pcp, (rank // dcp + 1) * T // pcp)
+        heads = slice(rank % dcp * H // dcp, (rank % dcp + 1) * H // dcp)
+        out, lse = merge_partials(received, torch.float32)
+        assert out.shape == ref_out[rows, heads].shape and not out.isnan().any()
+        if len(owners) == 0:  # no keys anywhere: zeros and -inf, never NaN
+            assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+            continue
+        torch.testing.assert_close(out.double(), ref_out[rows, heads], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse[rows, heads], atol=1e-5, rtol=1e-5)
 
 
-def test_correct_attn_out_half_precision():
+def test_merge_partials_half_precision():
     q, k, v = random_qkv(3, 2, 4, 6)
     owner = torch.tensor([0, 1, 0, 1, 1, 1])
     parts = [shard_attention(q, k, v, owner, r) for r in range(2)]
-    lses = torch.stack([lse for _, lse in parts])
-    merged = sum(correct_attn_out(out.bfloat16(), lses, r)[0].float()
-                 for r, (out, _) in enumerate(parts))
+    packed = torch.stack([torch.cat([o.bfloat16().float(), l[..., None]], -1) for o, l in parts])
+    merged, _ = merge_partials(packed, torch.bfloat16)
+    assert merged.dtype == torch.bfloat16
     torch.testing.assert_close(merged.double(), attention(q, k, v)[0], atol=2e-2, rtol=2e-2)
+
+
+def test_exchange_refuses_rows_or_heads_that_do_not_divide():
+    with pytest.raises(ValueError, match="divide"):
+        exchange_partials(torch.zeros(3, 4, 2), torch.zeros(3, 4), Recorder(2), 1, 2)
 
 
 @settings(max_examples=150, deadline=None)
@@ -117,44 +141,37 @@ def test_merge_attn_states_in_place_and_bfloat16():
 T, H, D, S = 4, 8, 16, 20
 
 
-def _merge_on_ranks(rank, world_size, pcp, dcp):
+def _exchange_on_ranks(rank, world_size, pcp, dcp):
+    """The real all-to-all over gloo: each rank's merged rows and heads against the reference."""
     cfg = ParallelConfig(tensor_parallel_size=dcp, prefill_context_parallel_size=pcp,
                          decode_context_parallel_size=dcp)
     state = build_parallel_state(cfg, rank)
-    group = state.cp if pcp > 1 else state.dcp
-    N, r = group.world_size, group.rank_in_group
+    r, N = state.cp.rank_in_group, state.cp.world_size
     q, k, v = random_qkv(T, H, D, S, seed=7)
     owner = torch.arange(S) % N
     owner[owner == N - 1] = 0  # leave the last rank's shard empty
     out, lse = shard_attention(q, k, v, owner, r)
     ref_out, ref_lse = attention(q, k, v)
+    heads = slice(r % dcp * H // dcp, (r % dcp + 1) * H // dcp)
     errors = {}
-    got, got_lse = cp_lse_ag_out_ar(out, lse, group, return_lse=True)
-    errors["ar"] = (got.double() - ref_out).abs().max().item()
-    errors["ar_lse"] = (got_lse.double() - ref_lse).abs().max().item()
-    heads = slice(r * H // N, (r + 1) * H // N)
-    got, got_lse = cp_lse_ag_out_rs(out, lse, group, return_lse=True)  # over heads
-    errors["rs_heads"] = (got.double() - ref_out[:, heads]).abs().max().item()
-    errors["rs_heads_lse"] = (got_lse.double() - ref_lse[:, heads]).abs().max().item()
-    tokens = slice(r * T // N, (r + 1) * T // N)
-    got = cp_lse_ag_out_rs(out, lse, group, scatter_dim=0)  # over tokens (PCP)
-    errors["rs_tokens"] = (got.double() - ref_out[tokens]).abs().max().item()
-    base2 = cp_lse_ag_out_ar(out, lse / math.log(2), group, is_lse_base_on_e=False)
-    errors["ar_base2"] = (base2.double() - ref_out).abs().max().item()
+    for row_split in (1, pcp):
+        p = r // dcp if row_split > 1 else 0
+        rows = slice(p * T // row_split, (p + 1) * T // row_split)
+        got, got_lse = merge_partials(exchange_partials(out, lse, state.cp, dcp, row_split),
+                                      torch.float32)
+        errors[f"out/{row_split}"] = (got.double() - ref_out[rows, heads]).abs().max().item()
+        errors[f"lse/{row_split}"] = (got_lse.double() - ref_lse[rows, heads]).abs().max().item()
     return errors
 
 
-@pytest.mark.parametrize("pcp,dcp", [(1, 2), (2, 2)])
-def test_cp_lse_collectives_over_gloo(pcp, dcp):
-    world_size = pcp * dcp
-    for errors in run_distributed(_merge_on_ranks, world_size, pcp, dcp):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pcp,dcp", [(1, 2), (2, 1), (2, 2)])
+def test_cp_exchange_over_gloo(pcp, dcp):
+    for errors in run_distributed(_exchange_on_ranks, pcp * dcp, pcp, dcp):
         assert max(errors.values()) < 1e-5, errors
 
 
 def test_size_one_group_is_the_identity():
-    class One:
-        world_size, rank_in_group = 1, 0
     out, lse = torch.randn(2, 2, 3), torch.randn(2, 2)
-    assert cp_lse_ag_out_rs(out, lse, One()) is out
-    got_out, got_lse = cp_lse_ag_out_ar(out, lse, One(), return_lse=True)
-    assert got_out is out and got_lse is lse
+    got = exchange_partials(out, lse, GroupCoordinator([0], 0), 1)
+    assert torch.equal(got[0, ..., :-1], out) and torch.equal(got[0, ..., -1], lse)

@@ -230,7 +230,8 @@ def test_client_disconnects_mid_stream_free_their_blocks(server):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", dict(prompt="hi", n=2), "n"),
+    ("/v1/completions", dict(prompt="hi", best_of=2), "best_of"),
+    ("/v1/completions", dict(prompt="hi", n=0), "n"),
     ("/v1/completions", dict(prompt="hi", temperature=-1), "temperature"),
     ("/v1/completions", dict(prompt="hi", top_p=0), "top_p"),
     ("/v1/completions", dict(prompt="hi", max_tokens=0), "max_tokens"),
@@ -259,8 +260,8 @@ def test_bad_json_and_the_openai_client_error(server, client):
     resp = httpx.post(f"{server.url}/v1/completions", content=b"{not json",
                       headers={"content-type": "application/json"})
     assert resp.status_code == 400 and "error" in resp.json()
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=MODEL, prompt="hi", n=3)
+    with pytest.raises(openai.BadRequestError, match="best_of must be 1"):
+        client.completions.create(model=MODEL, prompt="hi", best_of=3)
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 

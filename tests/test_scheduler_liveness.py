@@ -138,7 +138,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def pool_consistent(self):
         kv = self.kv
         live = list(self.sched.running) + list(self.sched.waiting)
-        assert len(live) == len(self.sched.requests) == len(set(map(id, live)))
+        parked = [c for r in live for c in r.children if not c.is_finished]  # choices to fork
+        assert len(live) + len(parked) == len(self.sched.requests) == len(set(map(id, live + parked)))
         refs = Counter(b for r in live for b in r.block_ids)
         for r in live:
             assert len(set(r.block_ids)) == len(r.block_ids)  # a block once per request

@@ -260,6 +260,26 @@ def check_merge(device="cpu", dtype=torch.float32, T=9, H=3, D=24):
     assert torch.equal(out2, out)
 
 
+def check_merge_partials(device="cpu", dtype=torch.float32, S=4, T=9, H=3, D=24):
+    """The CP merge kernel against the torch reference: packed [S, T, H, D + 1] partials with
+    empty (-inf), NaN and +inf LSEs, a NaN output under a weight-0 LSE, a row empty everywhere."""
+    from longserve.attention.cp_attention import merge_partials
+    gen = torch.Generator().manual_seed(6)
+    parts = _randn(S, T, H, D + 1, dtype=torch.float32, device=device, gen=gen)
+    parts[..., -1] *= 3
+    parts[:, 0, 0, -1] = -math.inf
+    parts[1, 1, :, -1], parts[-1, 2, 1, -1], parts[0, 3, 2, -1] = -math.inf, math.nan, math.inf
+    parts[1, 1, 0, 0] = math.nan
+    out, lse = _kernels().merge_partials_triton(parts, dtype)
+    ref_out, ref_lse = merge_partials(parts.cpu(), torch.float64)
+    tol = _tol(dtype)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=tol, rtol=tol)
+    assert torch.equal(lse.cpu() == -math.inf, ref_lse == -math.inf)
+    fin = ref_lse != -math.inf
+    torch.testing.assert_close(lse.cpu()[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+
+
 INTERPRETER_CHECKS = {
     "store_kv_fp32": lambda: check_store_kv(),
     "store_kv_bf16": lambda: check_store_kv(dtype=torch.bfloat16),
@@ -279,6 +299,8 @@ INTERPRETER_CHECKS = {
     "shapes": lambda: check_attention_shapes(),
     "merge_fp32": lambda: check_merge(),
     "merge_bf16": lambda: check_merge(dtype=torch.bfloat16),
+    "merge_partials": lambda: check_merge_partials(),
+    "merge_partials_bf16_s2": lambda: check_merge_partials(dtype=torch.bfloat16, S=2),
 }
 
 
@@ -405,6 +427,8 @@ def test_gpu_shapes(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_merge(dtype):
     check_merge("cuda", dtype, T=64, H=8, D=128)
+    for S in (2, 4, 8):
+        check_merge_partials("cuda", dtype, S=S, T=64, H=8, D=128)
 
 
 @gpu

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from longserve.attention.cp_attention import correct_attn_out, merge_attn_states
+from longserve.attention.cp_attention import exchange_partials, merge_attn_states, merge_partials
 from longserve.attention.kv_cache_spec import MultipleOf
 from longserve.attention.kv_quant import dequantize_kv, quantize_kv
 from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
@@ -140,14 +140,9 @@ class TorchAttentionBackend:
                                         layer.kv_scale)
         if ps.cp.world_size == 1:
             return out, lse
-        lses = ps.cp.all_gather(lse.unsqueeze(0), 0)  # [W, N, Hg]
-        out, lse = correct_attn_out(out.float(), lses, ps.cp.rank_in_group)
-        out = ps.pcp.reduce_scatter(out, 0) if rows_split else ps.pcp.all_reduce(out)
-        out = ps.dcp.reduce_scatter(out, 1)
-        if rows_split:
-            lse = lse.chunk(ps.pcp.world_size, 0)[ps.pcp.rank_in_group]
-        lse = lse.chunk(ps.dcp.world_size, 1)[ps.dcp.rank_in_group]
-        return out.to(q.dtype), lse.contiguous()
+        parts = exchange_partials(out, lse, ps.cp, ps.dcp.world_size,
+                                  ps.pcp.world_size if rows_split else 1)
+        return self.merge_partials(parts, q.dtype)
 
     # ---- primitives (reference versions) ---------------------------------------------------
     @staticmethod
@@ -160,10 +155,13 @@ class TorchAttentionBackend:
         v_cache.view(-1, n_heads, d)[slots] = quantize_kv(v[keep], v_scale, v_cache.dtype)
 
     merge_states = staticmethod(merge_attn_states)  # merge two partial attentions by LSE
+    merge_partials = staticmethod(merge_partials)  # merge every CP rank's partial by LSE
 
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
         """Row group r of q over the first kv_lens[r] cached tokens of its block-table row."""
+        if part.max_query_len == 1 and q.shape[0] == part.num_reqs:  # decode: one row a request
+            return batched_decode_attention(q, k_cache, v_cache, part, scale, kv_scale)
         return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
 
     @staticmethod
@@ -212,6 +210,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def merge_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse=None):
         from longserve.attention.triton_kernels import merge_attn_states_triton
         merge_attn_states_triton(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse)
+
+    @staticmethod
+    def merge_partials(parts, dtype):
+        from longserve.attention.triton_kernels import merge_partials_triton
+        return merge_partials_triton(parts, dtype)
 
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
@@ -325,6 +328,36 @@ def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_sca
         out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = sdpa_with_lse(
             q[qsl[r]:qsl[r + 1]], k, v, False, scale)
     return out, lse
+
+
+def decode_slots(part: PagedPart, page: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, L] cache slot of each request's cached tokens (L: the longest; pads read slot 0)
+    and [R, L] True at real tokens. Built once a step, by the first layer (part.packed)."""
+    lens = torch.tensor(part.kv_lens_cpu, dtype=torch.int64, device=device)
+    tok = torch.arange(max(part.kv_lens_cpu + [1]), device=device)
+    valid = tok[None] < lens[:, None]
+    table = F.pad(part.block_table.long(), (0, 1))  # a column even when no request has blocks
+    pages = table.gather(1, (tok // page).clamp(max=table.shape[1] - 1).expand(len(lens), -1))
+    return torch.where(valid, pages * page + tok % page, 0), valid
+
+
+def batched_decode_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
+    """Decode rows (row r is request r) over their cached K/V in one gather and one masked
+    softmax, without a Python loop over the requests in every layer. q [R, Hq, D] -> out
+    [R, Hq, D], lse [R, Hq] float32 (an empty request: out 0, lse -inf)."""
+    if part.packed is None:
+        part.packed = decode_slots(part, k_cache.shape[1], q.device)
+    slots, valid = part.packed
+    (R, hq, d), hkv = q.shape, k_cache.shape[2]
+    k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
+    k = dequantize_kv(k_cache.flatten(0, 1)[slots], k_scale, q.dtype).float()  # [R, L, Hkv, D]
+    v = dequantize_kv(v_cache.flatten(0, 1)[slots], v_scale, q.dtype).float()
+    scores = torch.einsum("rhgd,rlhd->rhgl", q.float().view(R, hkv, hq // hkv, d), k) * scale
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("rhgl,rlhd->rhgd", probs, v).reshape(R, hq, d)
+    return out.to(q.dtype), lse.reshape(R, hq)
 
 
 @dataclass

@@ -9,14 +9,12 @@ An empty shard has lse_i = -inf (kernels may report NaN or +inf there: both coun
 -inf) and weight 0; a query with no keys anywhere gets out = 0 and lse = -inf, never NaN.
 
 Shapes: out [T, H, D] (any float dtype), lse [T, H] float32; math in float32.
+With CP every rank packs its partials of a layer into one tensor and one all-to-all hands
+each rank every shard's partials for the rows and heads it keeps; it merges them locally.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-
-_LN2 = math.log(2.0)
 
 
 def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -32,63 +30,34 @@ def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(w > 0, out.float() * w, 0.0)
 
 
-def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, cp_rank: int, ctx=None,
-                     is_lse_base_on_e: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rescale this rank's partial output by its share of the global softmax mass.
+def exchange_partials(out: torch.Tensor, lse: torch.Tensor, cp_group, dcp: int,
+                      row_split: int = 1) -> torch.Tensor:
+    """The CP merge's one collective: every rank's partial (out, lse) of the rows and heads
+    this rank keeps, by a single all-to-all over the CP group (rank p * dcp + r).
 
-    out [T, H, D]: this rank's partial output; lses [N, T, H]: every rank's LSE.
-    Returns (out * exp(lses[cp_rank] - lse) as a new tensor of out's dtype, lse [T, H]
-    float32 in the input's base). Summing the corrected outputs over ranks gives the
-    attention over all shards. `ctx` is accepted for kernel-cache compatibility; the torch
-    path needs none. Base-2 LSEs (is_lse_base_on_e=False) are scaled by ln 2 for the math.
+    out [N, Hg, D], lse [N, Hg] of this rank's KV shard for the same queries on every rank:
+    Hg = the DCP group's heads (rank r keeps the r-th 1/dcp), N = the rows (row_split =
+    pcp: rows were PCP-gathered, PCP rank p keeps the p-th 1/pcp; 1: every rank keeps all).
+    Returns [W, N / row_split, Hg / dcp, D + 1] float32, source rank first, its LSE in the
+    last column (`merge_partials`). Replaces an LSE all-gather plus an all-reduce over PCP
+    and a reduce-scatter over DCP: 1 collective instead of 2-3, static shapes, no host sync.
     """
-    scale = 1.0 if is_lse_base_on_e else _LN2
-    lses = _clean_lse(lses) * scale
+    (N, Hg, D), W = out.shape, cp_group.world_size
+    if N % row_split or Hg % dcp:
+        raise ValueError(f"{N} rows / {Hg} heads must divide by {row_split} / dcp={dcp}")
+    packed = torch.cat([out.float(), lse.float().unsqueeze(-1)], -1)
+    parts = packed.view(row_split, N // row_split, dcp, Hg // dcp, D + 1).transpose(1, 2)
+    parts = parts.expand(W // dcp, dcp, N // row_split, Hg // dcp, D + 1)  # rank p*dcp+r's piece
+    return cp_group.all_to_all(parts.reshape(W, N // row_split, Hg // dcp, D + 1))
+
+
+def merge_partials(parts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[W, T, H, D + 1] (every shard's out with its LSE last) -> out [T, H, D] in `dtype`,
+    lse [T, H] float32: the log-sum-exp weighted combination (torch reference)."""
+    lses = _clean_lse(parts[..., -1])
     lse = torch.logsumexp(lses, dim=0)  # all -inf -> -inf
-    safe_lse = torch.where(torch.isneginf(lse), 0.0, lse)
-    factor = torch.where(torch.isneginf(lse), 0.0, torch.exp(lses[cp_rank] - safe_lse))
-    return _weighted(out, factor).to(out.dtype), lse / scale
-
-
-def _gather_lses(cp_attn_lse: torch.Tensor, cp_group) -> torch.Tensor:
-    """[T, H] on each rank -> [N, T, H], rank order."""
-    return cp_group.all_gather(cp_attn_lse.float().unsqueeze(0).contiguous(), 0)
-
-
-def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group,
-                     ctx=None, return_lse: bool = False, is_lse_base_on_e: bool = True,
-                     scatter_dim: int = 1):
-    """All-gather LSEs, correct, then sum the outputs over the group keeping this rank's slice.
-
-    cp_attn_out [T, H, D], cp_attn_lse [T, H] of this rank's KV shard for the same queries
-    on every rank. scatter_dim=1 (DCP decode: heads were all-gathered before attention):
-    returns [T, H / N, D]. scatter_dim=0 (PCP: queries were all-gathered along tokens):
-    returns [T / N, H, D]. With return_lse, also the global LSE sliced the same way.
-    """
-    N = cp_group.world_size
-    if N == 1:
-        return (cp_attn_out, cp_attn_lse) if return_lse else cp_attn_out
-    if cp_attn_out.shape[scatter_dim] % N != 0:
-        raise ValueError(f"dim {scatter_dim} of the attention output "
-                         f"({cp_attn_out.shape[scatter_dim]}) must divide by the CP group "
-                         f"size {N}")
-    out, lse = correct_attn_out(cp_attn_out, _gather_lses(cp_attn_lse, cp_group),
-                                cp_group.rank_in_group, ctx, is_lse_base_on_e)
-    out = cp_group.reduce_scatter(out, dim=scatter_dim)
-    if not return_lse:
-        return out
-    return out, lse.chunk(N, dim=scatter_dim)[cp_group.rank_in_group].contiguous()
-
-
-def cp_lse_ag_out_ar(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, cp_group,
-                     ctx=None, return_lse: bool = False, is_lse_base_on_e: bool = True):
-    """As cp_lse_ag_out_rs, but every rank keeps the whole merged output [T, H, D]."""
-    if cp_group.world_size == 1:
-        return (cp_attn_out, cp_attn_lse) if return_lse else cp_attn_out
-    out, lse = correct_attn_out(cp_attn_out, _gather_lses(cp_attn_lse, cp_group),
-                                cp_group.rank_in_group, ctx, is_lse_base_on_e)
-    out = cp_group.all_reduce(out)
-    return (out, lse) if return_lse else out
+    weight = torch.exp(lses - torch.where(torch.isneginf(lse), 0.0, lse))  # empty shard: 0
+    return _weighted(parts[..., :-1], weight).sum(0).to(dtype), lse
 
 
 def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor,

@@ -49,8 +49,8 @@ class PagedPart:
     max_query_len: int
     query_start_loc_cpu: list[int]
     kv_lens_cpu: list[int]
-    # the requests' cached K/V as one packed varlen batch, built by the first layer that
-    # needs it and reused by the others (attention/backends.py: flash_prefix_attention)
+    # index work built by the first layer that needs it and reused by the others
+    # (attention/backends.py): the prefix's packed varlen batch, or the decode's slots
     packed: object | None = None
 
     @property

@@ -132,6 +132,16 @@ class GroupCoordinator:
         dist.reduce_scatter_tensor(out, x, group=self.device_group)
         return out.movedim(0, dim)
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [world_size, ...]: x[j] goes to rank j; returns rank j's piece for this rank at [j]
+        (all_to_all_single: one NCCL call, graph-capturable; gloo has it on CPU too)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=self.device_group)
+        return out
+
     def gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor | None:
         """Concatenation on the first rank of the group, None elsewhere."""
         if self.world_size == 1:

@@ -18,7 +18,9 @@ from longserve.engine.kv_cache_manager import KVCacheManager
 from longserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from longserve.engine.request import Request
 from longserve.engine.scheduler import Scheduler
+from longserve.engine.structured_output import StructuredOutputManager
 from longserve.kv_transfer.base import build_scheduler_connector
+from longserve.step_plan import SchedulerOutput
 
 
 class EngineCore:
@@ -34,6 +36,7 @@ class EngineCore:
                                  config.cache.block_size * config.parallel.cp_world_size,
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.structured = StructuredOutputManager(config.model)
         self.kv_connector = None
         if config.kv_transfer.kv_role is not None or config.kv_transfer.kv_offload_bytes:
             self.kv_connector = build_scheduler_connector(
@@ -69,14 +72,22 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
-        req = Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids,
-                      arrival=r.arrival_time)
+        """One Request per choice: choice 0 computes the prompt, the others fork from it."""
+        params = r.sampling_params
+        reqs = [Request(cid, r.prompt_token_ids, params if params.n == 1 else params.choice(i),
+                        r.eos_token_ids, arrival=r.arrival_time) for i, cid in enumerate(r.choice_ids)]
+        req, req.children = reqs[0], reqs[1:]
         req.kv_transfer_params = dict(r.kv_transfer_params) if r.kv_transfer_params else None
-        self._num_sent[req.request_id] = 0
-        self.scheduler.add_request(req)
+        for cid in r.choice_ids:
+            self._num_sent[cid] = 0
+        if params.structured_outputs is not None:
+            self.structured.add(req)  # joins the scheduler (choices too) once its grammar is compiled
+        else:
+            self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            self.structured.abort(request_id)
             self.scheduler.finish_request(request_id, "abort")
             self._num_sent.pop(request_id, None)
 
@@ -84,19 +95,40 @@ class EngineCore:
         """Requests to step, a step in flight, or KV transfers to serve (a producer's held
         blocks go back only when a step sees the consumer's release or the lease's end)."""
         return (self.scheduler.has_unfinished() or self._in_flight is not None
-                or self.scheduler.has_kv_transfers())
+                or self.scheduler.has_kv_transfers() or bool(self.structured.compiling))
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
         """One scheduled step. `lockstep`: expert models' DP ranks run a forward every step,
         a dummy one when this rank has nothing planned."""
         t = time.perf_counter()
+        failed = self._admit_compiled()
         out = self.scheduler.schedule()
         outputs = self._step(out, lockstep)
+        if failed:
+            outputs += self._outputs(SchedulerOutput(), failed)
         if out.requests and all(r.num_computed_tokens > 0 and len(r.token_ids) == 1
                                 for r in out.requests):  # decode only: its period (benchmarks)
             self.decode_steps.append((out.num_tokens, time.perf_counter() - t))
         return outputs
+
+    def _admit_compiled(self) -> list[Request]:
+        """Structured requests whose grammar is ready join the scheduler; those whose grammar
+        failed to compile come back finished (waits a little when nothing else can run)."""
+        idle = not self.scheduler.has_unfinished() and self._in_flight is None
+        failed = []
+        for req in self.structured.ready(block=idle):
+            if req.grammar is None:
+                failed += [req] + req.children
+            else:
+                self.scheduler.add_request(req)
+        return failed
+
+    def _sample_structured(self, out, pending) -> None:
+        """A step with structured requests: its forward runs while their matchers (all tokens
+        up to the previous step applied) fill the bitmask; then it samples."""
+        if pending.needs_bitmask:
+            pending.sample(self.structured.bitmask(out, self.scheduler.requests))
 
     def _step(self, out, lockstep: bool) -> list[EngineCoreOutput]:
         transfers = self.scheduler.has_kv_transfers()
@@ -108,7 +140,9 @@ class EngineCore:
         if out.is_empty and transfers and out.kv_connector_metadata is None:
             time.sleep(0.002)  # only polling the connectors: do not spin (a step that starts
             # a load or announces a hold goes at once)
-        return self._apply(out, self.executor.execute(out))
+        pending = self.executor.execute_async(out)
+        self._sample_structured(out, pending)
+        return self._apply(out, pending.result())
 
     def _step_async(self, out, idle: bool) -> list[EngineCoreOutput]:
         """Launch step N+1, then wait for step N's sampled ids and apply them: the host plans
@@ -116,7 +150,9 @@ class EngineCore:
         launched = None if idle else (out, self.executor.execute_async(out))
         previous, self._in_flight = self._in_flight, launched
         outputs = [] if previous is None else self._apply(previous[0], previous[1].result())
-        if launched is None:  # any finished while planning
+        if launched is not None:  # after step N is applied: its tokens advanced the matchers
+            self._sample_structured(*launched)
+        else:  # any finished while planning
             outputs += self._outputs(out, self.scheduler.update_from_output(out, {}))
         return outputs
 
@@ -177,14 +213,14 @@ class EngineCore:
         ranks' engine cores, the first rank of each replica)."""
         import torch
         import torch.distributed as dist
-        flag = torch.tensor([int(self.scheduler.has_unfinished())])
+        flag = torch.tensor([int(self.scheduler.has_unfinished() or bool(self.structured.compiling))])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.executor.driver.ps.dp.cpu_group)
         return bool(flag.item())
 
     # ---- what the front end asks --------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
-        s = self.scheduler
-        return SchedulerStats(len(s.running), len(s.waiting) + len(s.loading),
+        s, compiling = self.scheduler, len(self.structured.compiling)
+        return SchedulerStats(len(s.running), len(s.waiting) + len(s.loading) + compiling,
                               self.kv.num_free_blocks, self.kv.num_blocks,
                               self.kv.num_cached_tokens_queried, self.kv.num_cached_tokens_hit)
 
@@ -221,6 +257,7 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
         if self.kv_connector is not None and hasattr(self.kv_connector, "close"):
             self.kv_connector.close()

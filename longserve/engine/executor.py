@@ -281,6 +281,22 @@ class PendingStep:
     def __init__(self, executor: Executor, step: int, output: ModelRunnerOutput | None):
         self.executor, self.step, self.output = executor, step, output
 
+    @property
+    def needs_bitmask(self) -> bool:
+        return self.output is not None and self.output.deferred is not None
+
+    def sample(self, bitmask: tuple) -> None:
+        """A step with structured requests: sample with their grammar bitmask (rank 0 samples
+        and broadcasts the ids; the other ranks wait for them inside the step)."""
+        ex = self.executor
+        with defer_interrupt():
+            try:
+                with ex._waiting_for(f"sampling step {self.step}"):
+                    ex.driver.runner.sample_deferred(self.output, bitmask)
+            except BaseException as e:
+                ex._fell_out_of_step(e)
+                raise
+
     def result(self) -> ModelRunnerOutput | None:
         ex = self.executor
         with defer_interrupt():

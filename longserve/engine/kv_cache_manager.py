@@ -116,6 +116,12 @@ class KVCacheManager:
         request.block_ids.extend(self._take_free_block() for _ in range(max(need, 0)))
         return True
 
+    def share(self, block_ids: list[int]) -> list[int]:
+        """One more reference to each block (a forked choice reads its parent's prompt blocks)."""
+        for b in block_ids:
+            self._touch(b)
+        return list(block_ids)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -54,6 +54,7 @@ class LLMEngine:
         self.infos = self.client.infos
         self.num_blocks = min(info["num_gpu_blocks"] for info in self.infos)
         self.tokens_per_block = self.infos[0]["tokens_per_block"]
+        self._grammars = None  # GrammarCompiler, built at the first structured request
 
     # ---- tokens and text --------------------------------------------------------------
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -95,16 +96,6 @@ class LLMEngine:
             self.check_kv_transfer_params(req)
         return req
 
-    def make_requests(self, prompt, params: SamplingParams,
-                      data_parallel_rank: int | None = None) -> list[EngineCoreRequest]:
-        """One request per choice (SamplingParams.n, when it exists): validated at the door."""
-        n = getattr(params, "n", 1)
-        req = self.make_request(prompt, params, data_parallel_rank)
-        if n == 1:
-            return [req]
-        return [self.make_request({"prompt_token_ids": req.prompt_token_ids},
-                                  _choice_params(params, i), data_parallel_rank) for i in range(n)]
-
     def check_prompt(self, ids: list[int]) -> None:
         max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size
         if not ids:
@@ -123,12 +114,28 @@ class LLMEngine:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name} must be in [0, {vocab}] (the vocabulary), got {k}")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n must be at most max_num_seqs={self.config.scheduler.max_num_seqs} "
+                             f"(the choices run together), got {params.n}")
+        if params.n > 1 and self.config.kv_transfer.kv_role in ("kv_producer", "kv_both"):
+            raise ValueError("n must be 1 on a KV producer instance (it hands one prompt's KV to a "
+                             "decode instance; ask that one for several choices)")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         check_request_fits(num_prompt_tokens, params.max_tokens, self.config.scheduler.max_model_len,
                            self.num_blocks, self.tokens_per_block)
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs)
+
+    def check_structured_outputs(self, so) -> None:
+        """Compile the grammar (cached) to refuse what xgrammar cannot compile."""
+        if self._grammars is None:
+            from longserve.engine.structured_output import GrammarCompiler
+            m = self.config.model
+            self._grammars = GrammarCompiler(self.tokenizer, m.vocab_size, m.eos_token_ids)
+        self._grammars.check(so)
 
     def check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
         if req.sampling_params.prompt_logprobs is not None:
@@ -156,7 +163,8 @@ class LLMEngine:
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %s", request.request_id,
                         request.num_prompt_tokens, request.sampling_params)
-        sink = sink if sink is not None else RequestStream(request.request_id, loop)
+        sink = sink if sink is not None else RequestStream(request.request_id, loop,
+                                                           request.sampling_params.n)
         self.output.add(request, sink, core)
         wave = self.coordinator.on_send(core)
         self.client.add_request(core, request)
@@ -165,12 +173,13 @@ class LLMEngine:
         return sink
 
     def abort(self, request_id: str) -> None:
+        """End a request, every choice of it."""
         core = self.output.engine_of(request_id)
         if core is None:
             return
-        self.output.abort(request_id)
+        choice_ids = self.output.abort(request_id)
         try:
-            self.client.abort(core, [request_id])
+            self.client.abort(core, choice_ids)
         except RuntimeError:
             pass  # its core is gone: nothing of it is left to free
 
@@ -272,13 +281,6 @@ class LLMEngine:
         self._closed = True
         self.client.shutdown(timeout)
         self.output.fail(EngineDeadError("the engine is shutting down"))
-
-
-def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """Choice i of an n > 1 request: one choice; a seeded request's choices differ."""
-    from dataclasses import replace
-    seed = None if params.seed is None else params.seed + i
-    return replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if i == 0 else None)
 
 
 def check_dp_rank(rank, dp_size: int) -> None:

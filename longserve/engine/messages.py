@@ -34,6 +34,12 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def choice_ids(self) -> list[str]:
+        """The core's request id of each choice (SamplingParams.n of them)."""
+        n = self.sampling_params.n
+        return [self.request_id] if n == 1 else [f"{self.request_id}-{i}" for i in range(n)]
+
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one request gained in a step. `prompt_logprobs` come with the first token."""

@@ -32,7 +32,7 @@ class EngineOverloadedError(RuntimeError):
 
 @dataclass
 class StreamOutput:
-    """What one request produced since its previous output (a delta)."""
+    """What one choice of a request produced since its previous output (a delta)."""
     request_id: str
     token_ids: list[int]
     text: str
@@ -44,7 +44,8 @@ class StreamOutput:
     stop_reason: str | int | None = None
     kv_transfer_params: dict | None = None  # at the end, for a disaggregated decode instance
     error: str | None = None  # at the end: why the request failed alone (finish_reason "error")
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with choice 0's first delta
+    index: int = 0  # the choice (SamplingParams.n)
 
     def merged(self, later: "StreamOutput") -> "StreamOutput":
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
@@ -53,13 +54,12 @@ class StreamOutput:
 
 
 class RequestStream:
-    """One request's outputs, read by a thread (`for out in stream`) or a loop (`async for`).
+    """One request's outputs, read by a thread (`for out in stream`) or a loop (`async for`);
+    it ends when all its `n` choices have. Deltas of a choice that queued up while the
+    reader was busy come merged into one."""
 
-    Deltas that queued up while the reader was busy come merged into one."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
-        self.request_id = request_id
-        self.loop = loop
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None, n: int = 1):
+        self.request_id, self.loop, self.n = request_id, loop, n
         self.queue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
 
     def _drain(self, first) -> list:
@@ -70,33 +70,47 @@ class RequestStream:
 
     @staticmethod
     def _combine(items: list):
-        """(one merged StreamOutput or None, an error or None)."""
-        outs = [i for i in items if isinstance(i, StreamOutput)]
+        """(one merged StreamOutput per choice, an error or None)."""
+        merged: dict[int, StreamOutput] = {}
+        for out in items:
+            if isinstance(out, StreamOutput):
+                merged[out.index] = merged[out.index].merged(out) if out.index in merged else out
         errors = [i for i in items if isinstance(i, BaseException)]
-        merged = None
-        for out in outs:
-            merged = out if merged is None else merged.merged(out)
-        return merged, (errors[0] if errors else None)
+        return list(merged.values()), (errors[0] if errors else None)
 
     def __iter__(self):
-        while True:
-            out, error = self._combine(self._drain(self.queue.get()))
-            if out is not None:
-                yield out
-                if out.finished:
-                    return
-            if error is not None:
+        left = self.n
+        while left:
+            outs, error = self._combine(self._drain(self.queue.get()))
+            yield from outs
+            left -= sum(o.finished for o in outs)
+            if left and error is not None:
                 raise error
 
     async def __aiter__(self):
-        while True:
-            out, error = self._combine(self._drain(await self.queue.get()))
-            if out is not None:
+        left = self.n
+        while left:
+            outs, error = self._combine(self._drain(await self.queue.get()))
+            for out in outs:
                 yield out
-                if out.finished:
-                    return
-            if error is not None:
+            left -= sum(o.finished for o in outs)
+            if left and error is not None:
                 raise error
+
+
+@dataclass
+class Choice:
+    """One choice of a request: its tokens, text and end."""
+    index: int
+    detokenizer: IncrementalDetokenizer | None  # streams and stop strings
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str | None = None  # set when a stop string cut the text
+    stop_string: str | None = None  # the stop string that ended it here
+    num_sent: int = 0  # tokens already streamed
+    text_sent: int = 0  # characters already streamed
+    last_time: float | None = None
+    output: CompletionOutput | None = None  # at its end
 
 
 @dataclass
@@ -104,17 +118,13 @@ class RequestState:
     request: EngineCoreRequest
     sink: RequestStream | queue.SimpleQueue  # a stream of deltas, or a queue of final outputs
     engine_index: int
-    detokenizer: IncrementalDetokenizer | None  # streams and stop strings
     holdback: int  # chars kept back while a stop string could still begin in them
-    output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    choices: list[Choice]
     prompt_logprobs: list | None = None
-    text: str | None = None  # set when a stop string cut the text
-    stop_string: str | None = None  # the stop string that ended it here
-    num_sent: int = 0  # tokens already streamed
-    text_sent: int = 0  # characters already streamed
     first_token_time: float | None = None
-    last_time: float | None = None
+    num_preemptions: int = 0
+    kv_transfer_params: dict | None = None
+    error: str | None = None
 
 
 class OutputProcessor:
@@ -122,6 +132,7 @@ class OutputProcessor:
         self.decode = decode  # token ids -> text
         self.stats = EngineStats()
         self._states: dict[str, RequestState] = {}
+        self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by the core's choice id
         self._lock = threading.Lock()
 
     @property
@@ -135,104 +146,118 @@ class OutputProcessor:
     def add(self, request: EngineCoreRequest, sink, engine_index: int) -> None:
         stops = request.sampling_params.stop
         streams = isinstance(sink, RequestStream)
-        detok = IncrementalDetokenizer(self.decode) if streams or stops else None
+        choices = [Choice(i, IncrementalDetokenizer(self.decode) if streams or stops else None)
+                   for i in range(request.sampling_params.n)]
+        state = RequestState(request, sink, engine_index, max(map(len, stops)) - 1 if stops else 0,
+                             choices)
         with self._lock:
-            self._states[request.request_id] = RequestState(
-                request, sink, engine_index, detok, max(map(len, stops)) - 1 if stops else 0)
+            self._states[request.request_id] = state
+            self._choices.update((cid, (state, c)) for cid, c in zip(request.choice_ids, choices))
 
     def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
-        """Apply one step's outputs of a core; returns the requests that a stop string ended
+        """Apply one step's outputs of a core; returns the choices that a stop string ended
         here (their core must abort them)."""
         now, deliveries, stopped = time.perf_counter(), [], []
         with self._lock:
             for o in outputs:
-                state = self._states.get(o.request_id)
+                state, choice = self._choices.get(o.request_id, (None, None))
                 if state is None:
                     continue  # ended here already (stop string, abort)
-                finished = self._update(state, o, now)
+                finished = self._update(state, choice, o, now)
                 if finished and o.finish_reason is None:
                     stopped.append(o.request_id)
-                deliveries.append(self._finish(state, o, now) if finished
-                                  else (state.sink, self._delta(state)))
+                deliveries.append(self._finish(state, choice, o, now) if finished
+                                  else (state.sink, self._delta(state, choice)))
         _deliver([d for d in deliveries if d[1] is not None])
         return stopped
 
-    def _update(self, state: RequestState, o: EngineCoreOutput, now: float) -> bool:
-        """Take the new tokens in; True when the request ended (in its core or by a stop string)."""
-        state.output_token_ids += o.new_token_ids
+    def _update(self, state: RequestState, choice: Choice, o: EngineCoreOutput, now: float) -> bool:
+        """Take the new tokens in; True when the choice ended (in its core or by a stop string)."""
+        choice.output_token_ids += o.new_token_ids
         if o.new_logprobs:
-            state.logprobs += o.new_logprobs
+            choice.logprobs += o.new_logprobs
         if o.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + list(o.prompt_logprobs)
-        self._count_tokens(state, len(o.new_token_ids), now)
-        if state.detokenizer is None:
+        self._count_tokens(state, choice, len(o.new_token_ids), now)
+        if choice.detokenizer is None:
             return o.finish_reason is not None
-        new = state.detokenizer.update(state.output_token_ids)
+        new = choice.detokenizer.update(choice.output_token_ids)
         params = state.request.sampling_params
         if (new and params.stop and o.finish_reason != "stop"
-                and len(state.output_token_ids) >= params.min_tokens):
-            hit = find_stop(state.detokenizer.text, len(new), params.stop)
+                and len(choice.output_token_ids) >= params.min_tokens):
+            hit = find_stop(choice.detokenizer.text, len(new), params.stop)
             if hit is not None:
                 at, stop = hit
                 keep = at + len(stop) if params.include_stop_str_in_output else at
-                state.text, state.stop_string = state.detokenizer.text[:keep], stop
+                choice.text, choice.stop_string = choice.detokenizer.text[:keep], stop
                 return True
         return o.finish_reason is not None
 
-    def _delta(self, state: RequestState) -> StreamOutput | None:
-        if not isinstance(state.sink, RequestStream) or state.num_sent == len(state.output_token_ids):
+    def _delta(self, state: RequestState, choice: Choice) -> StreamOutput | None:
+        if not isinstance(state.sink, RequestStream) or choice.num_sent == len(choice.output_token_ids):
             return None
-        upto = len(state.detokenizer.text) - state.holdback
-        text = state.detokenizer.text[state.text_sent:upto] if upto > state.text_sent else ""
-        return self._stream_output(state, text)
+        upto = len(choice.detokenizer.text) - state.holdback
+        text = choice.detokenizer.text[choice.text_sent:upto] if upto > choice.text_sent else ""
+        return self._stream_output(state, choice, text)
 
-    def _stream_output(self, state: RequestState, text: str) -> StreamOutput:
-        params, n = state.request.sampling_params, len(state.output_token_ids)
-        out = StreamOutput(state.request.request_id, state.output_token_ids[state.num_sent:], text,
-                           state.logprobs[state.num_sent:n] if params.logprobs is not None else None,
-                           state.request.num_prompt_tokens, n)
-        if state.num_sent == 0:
+    def _stream_output(self, state: RequestState, choice: Choice, text: str) -> StreamOutput:
+        params, n = state.request.sampling_params, len(choice.output_token_ids)
+        out = StreamOutput(state.request.request_id, choice.output_token_ids[choice.num_sent:], text,
+                           choice.logprobs[choice.num_sent:n] if params.logprobs is not None else None,
+                           state.request.num_prompt_tokens, n, index=choice.index)
+        if choice.num_sent == 0 and choice.index == 0:
             out.prompt_logprobs = state.prompt_logprobs
-        state.num_sent, state.text_sent = n, state.text_sent + len(text)
+        choice.num_sent, choice.text_sent = n, choice.text_sent + len(text)
         return out
 
-    def _finish(self, state: RequestState, o: EngineCoreOutput, now: float) -> tuple:
-        """The end of a request: its last delta, or its whole RequestOutput."""
-        del self._states[state.request.request_id]
+    def _finish(self, state: RequestState, choice: Choice, o: EngineCoreOutput, now: float) -> tuple:
+        """The end of a choice: its last delta; the request's RequestOutput once all ended."""
+        del self._choices[state.request.choice_ids[choice.index]]
         reason, stop_reason = o.finish_reason, o.stop_reason
-        if state.stop_string is not None:  # ended by a stop string (maybe as its core ended it)
-            reason, stop_reason = "stop", state.stop_string
-        self._count_finished(state, reason, o.num_preemptions, now)
-        text = state.text if state.text is not None else self.decode(state.output_token_ids)
+        if choice.stop_string is not None:  # ended by a stop string (maybe as its core ended it)
+            reason, stop_reason = "stop", choice.stop_string
+        state.num_preemptions += o.num_preemptions
+        state.kv_transfer_params = state.kv_transfer_params or o.kv_transfer_params
+        state.error = state.error or o.error
+        self.stats.finished[reason] += 1
+        text = choice.text if choice.text is not None else self.decode(choice.output_token_ids)
+        choice.output = CompletionOutput(choice.index, text, choice.output_token_ids, reason,
+                                         stop_reason, choice.logprobs or None)
+        done = all(c.output is not None for c in state.choices)
+        if done:
+            del self._states[state.request.request_id]
+            self._count_finished(state, now)
         if isinstance(state.sink, RequestStream):
-            out = self._stream_output(state, text[state.text_sent:])
+            out = self._stream_output(state, choice, text[choice.text_sent:])
             out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
             out.kv_transfer_params, out.error = o.kv_transfer_params, o.error
             return state.sink, out
-        return state.sink, self._request_output(state, text, reason, stop_reason, o)
+        return state.sink, self._request_output(state) if done else None
 
-    def _request_output(self, state: RequestState, text: str, reason: str, stop_reason,
-                        o: EngineCoreOutput) -> RequestOutput:
+    def _request_output(self, state: RequestState) -> RequestOutput:
         r = state.request
         ttft = None if state.first_token_time is None else state.first_token_time - r.arrival_time
         return RequestOutput(
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, state.output_token_ids, reason, stop_reason,
-                                      state.logprobs or None)],
-            finished=True, metrics={"time_to_first_token": ttft, "num_preemptions": o.num_preemptions},
-            kv_transfer_params=o.kv_transfer_params, error=o.error,
+            outputs=[c.output for c in state.choices], finished=True,
+            metrics={"time_to_first_token": ttft, "num_preemptions": state.num_preemptions},
+            kv_transfer_params=state.kv_transfer_params, error=state.error,
             prompt_logprobs=state.prompt_logprobs if r.sampling_params.prompt_logprobs is not None
             else None)
 
-    def abort(self, request_id: str) -> None:
-        """Ended by the front end (a client gone, a failed caller): the reader gets the end."""
+    def abort(self, request_id: str) -> list[str]:
+        """Ended by the front end (a client gone, a failed caller): the reader gets the end;
+        returns the core's ids of its choices."""
         with self._lock:
             state = self._states.get(request_id)
             if state is None:
-                return
-            end = self._finish(state, EngineCoreOutput(request_id, [], finish_reason="abort"),
-                               time.perf_counter())
-        _deliver([end])
+                return []
+            now, ends = time.perf_counter(), []
+            for cid, c in zip(state.request.choice_ids, state.choices):
+                if c.output is None:
+                    ends.append(self._finish(state, c, EngineCoreOutput(cid, [], finish_reason="abort"), now))
+        _deliver([e for e in ends if e[1] is not None])
+        return state.request.choice_ids
 
     def fail(self, error: EngineDeadError, engine_index: int | None = None) -> None:
         """Fail every request of one core (or of all cores)."""
@@ -241,9 +266,11 @@ class OutputProcessor:
                     if engine_index is None or s.engine_index == engine_index]
             for s in dead:
                 del self._states[s.request.request_id]
+                for cid in s.request.choice_ids:
+                    self._choices.pop(cid, None)
         _deliver([(s.sink, error) for s in dead])
 
-    def _count_tokens(self, state: RequestState, n_new: int, now: float) -> None:
+    def _count_tokens(self, state: RequestState, choice: Choice, n_new: int, now: float) -> None:
         if n_new == 0:
             return
         stats = self.stats
@@ -252,14 +279,13 @@ class OutputProcessor:
             state.first_token_time = now
             stats.prompt_tokens += state.request.num_prompt_tokens
             stats.time_to_first_token.observe(now - state.request.arrival_time)
-        elif state.last_time is not None:
+        elif choice.last_time is not None:
             for _ in range(n_new):  # tokens that came out together share the gap
-                stats.inter_token_latency.observe((now - state.last_time) / n_new)
-        state.last_time = now
+                stats.inter_token_latency.observe((now - choice.last_time) / n_new)
+        choice.last_time = now
 
-    def _count_finished(self, state: RequestState, reason: str, preemptions: int, now: float) -> None:
-        self.stats.finished[reason] += 1
-        self.stats.num_preemptions += preemptions
+    def _count_finished(self, state: RequestState, now: float) -> None:
+        self.stats.num_preemptions += state.num_preemptions
         self.stats.e2e_request_latency.observe(now - state.request.arrival_time)
 
 

@@ -49,6 +49,10 @@ class Request:
     # include the request and are not applied yet.
     num_output_placeholders: int = 0
     num_steps_in_flight: int = 0
+    # choices 1..n-1 of an n > 1 request (choice 0): parked until its prompt is planned to
+    # its end, then forked onto its prompt blocks (Scheduler._fork)
+    children: list[Request] = field(default_factory=list)
+    grammar: object | None = None  # structured outputs: xgrammar's GrammarMatcher
 
     @property
     def all_token_ids(self) -> list[int]:

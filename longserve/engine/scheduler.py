@@ -25,6 +25,11 @@ asynchronous scheduling the next step is planned first, and a running request th
 its placeholder (the workers fill in the id on the device). A request that has reached its
 token limit counting placeholders waits for its results instead of decoding past the limit,
 and a preempted one is not readmitted while a step that included it is still in flight.
+
+Several choices (SamplingParams.n): choice 0 computes the prompt; when its last prompt chunk
+is planned the other choices fork from it onto its full prompt blocks (`_fork`), and from
+then on each is a request of its own (preempted, finished, aborted alone). A request is
+admitted only if max_num_seqs has room for all its choices.
 """
 from __future__ import annotations
 
@@ -61,14 +66,15 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._num_blocks_sent: dict[str, int] = {}  # blocks the workers already know of
         self._finished_ids: list[str] = []
-        self._finished_in_schedule: list[Request] = []  # outgrew the whole pool (see check_fits)
+        self._finished_in_schedule: list[Request] = []  # outgrew the pool (check_fits); unforked choices
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         check_request_fits(num_prompt_tokens, max_tokens, self.config.max_model_len,
                            self.kv.num_blocks, self.kv.tokens_per_block)
 
     def add_request(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+        for req in [request] + request.children:  # children: parked, found by id, in no queue
+            self.requests[req.request_id] = req
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -91,6 +97,8 @@ class Scheduler:
             out.requests.append(self._describe(req, n))
             self.num_prompt_tokens_computed += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
             self._advance(req, n)
+            if req.children and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork(req)
         if self.connector is not None:
             self._attach_connector_meta(out)
         return out
@@ -101,6 +109,34 @@ class Scheduler:
         if meta is not None and meta.filled_block_ids:  # the connector initialises these itself
             filled = set(meta.filled_block_ids)
             out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
+
+    def _fork(self, parent: Request) -> None:
+        """The parent's prompt is planned to its end: its other choices join the running list
+        (from the next step on) with a reference to each of its full prompt blocks, no copy.
+        The prompt's last block (partial, or holding the last prompt token) stays the parent's:
+        each child takes a block of its own and computes those 1..tokens_per_block tail tokens
+        itself. That is cheaper and simpler than copying the block on every CP rank, and the
+        child samples its first token from its own logits (its own seed). A child's step reads
+        the shared blocks after the parent's step wrote them (the plans run in order)."""
+        shared = parent.block_ids[:(parent.num_prompt_tokens - 1) // self.kv.tokens_per_block]
+        for child in [c for c in parent.children if not c.is_finished]:  # (aborted while parked)
+            child.block_ids = self.kv.share(shared)
+            child.num_computed_tokens = len(shared) * self.kv.tokens_per_block
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.children = []
+
+    def _end_children(self, parent: Request) -> None:
+        """A parent that ends before its prompt is done takes its unforked choices with it."""
+        for child in [c for c in parent.children if not c.is_finished]:
+            child.error = parent.error
+            self.finish_request(child.request_id, parent.finish_reason)
+            self._finished_in_schedule.append(child)
+        parent.children = []
+
+    def _num_seqs(self) -> int:
+        """Running requests plus the choices they will fork (max_num_seqs bounds both)."""
+        return len(self.running) + sum(len(r.children) for r in self.running)
 
     @staticmethod
     def _advance(req: Request, n: int) -> None:
@@ -164,8 +200,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _schedule_waiting(self, plan: list, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if self._num_seqs() + 1 + len(req.children) > self.config.max_num_seqs:
+                break
             if req.num_steps_in_flight:  # preempted with a step in flight: wait for its result
                 break
             computed_blocks, num_computed, external, load_async = [], 0, 0, False
@@ -291,6 +329,13 @@ class Scheduler:
             return True
         token = req.output_token_ids[-1]
         n_out = len(req.output_token_ids)
+        if req.grammar is not None:  # advanced once per token, when the host learns it
+            if not req.grammar.accept_token(token):
+                req.finish_reason, req.error = "error", f"the grammar rejected token {token}"
+                return True
+            if req.grammar.is_terminated():  # its grammar ended (at a stop token)
+                req.finish_reason, req.stop_reason = "stop", None
+                return True
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 req.finish_reason, req.stop_reason = "stop", None
@@ -318,6 +363,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
+        self._end_children(req)
         if self._num_blocks_sent.pop(req_id, None) is not None:
             self._finished_ids.append(req_id)
         if req_id in self.loading:
@@ -362,6 +408,7 @@ class Scheduler:
             req.status = RequestStatus.FINISHED
             req.finish_reason, req.error = "error", f"loading the KV of request {req.request_id} failed"
             self.requests.pop(req.request_id, None)
+            self._end_children(req)
             return [req]
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

@@ -23,7 +23,7 @@ from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibility
 from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_unsupported
-from longserve.worker.sampler import Sampler, prompt_logprobs
+from longserve.worker.sampler import Sampler, apply_token_bitmask, prompt_logprobs
 from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,
@@ -69,6 +69,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     # the sampled ids while they are still on their way (request ids, ids); see resolve()
     pending: tuple[list[str], SampledTokens] | None = None
+    deferred: tuple | None = None  # (sampling requests, logits): waits for a grammar bitmask
 
     def resolve(self) -> ModelRunnerOutput:
         """Wait for the sampled ids and fill `sampled`."""
@@ -264,31 +265,47 @@ class ModelRunner:
     def sample(self, reqs: list[ScheduledRequest], hidden, inp: StepInputs) -> ModelRunnerOutput | None:
         """Sample on the first rank of the model group (the first PCP rank's first TP rank);
         the output's ids stay pending until resolve(). Asynchronous scheduling keeps them on
-        the device for the next step, on every rank of the model group."""
+        the device for the next step, on every rank of the model group. A step with a
+        structured request leaves its logits in `output.deferred`: the engine core builds the
+        grammar bitmask while the forward runs and calls sample_deferred()."""
         sampling = [r for r in reqs if r.sample]
-        output, tokens = None, None
+        output, logits = None, None
         if self.ps.pcp.rank_in_group == 0:  # the first PCP rank's TP group takes the logits
-            output, tokens = self._sample_here(reqs, sampling, hidden, inp)
-        if self.async_scheduling:
-            self._keep_sampled(sampling, tokens)
+            output, logits = self._logits_here(reqs, hidden, inp)
+        if logits is not None and any(self.requests[r.req_id].sampling_params.structured_outputs
+                                      for r in sampling):
+            output.deferred = (sampling, logits)
+        else:
+            self._finish_sampling(output, sampling, logits)
         return output
 
-    def _sample_here(self, reqs, sampling, hidden, inp):
+    def sample_deferred(self, output: ModelRunnerOutput, bitmask: tuple) -> None:
+        """bitmask: (int32 [R, ceil(V / 32)] on the host, the R sampling rows it masks)."""
+        (sampling, logits), output.deferred = output.deferred, None
+        apply_token_bitmask(logits, *bitmask)
+        self._finish_sampling(output, sampling, logits)
+
+    def _logits_here(self, reqs, hidden, inp):
         prompt_lps = {}
         if inp.prompt_logprob_rows is not None:  # every TP rank joins the logits gathers
             prompt_lps = self.prompt_logprobs(reqs, hidden, inp.prompt_logprob_rows)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if logits is None:
             return None, None
-        params = [self.requests[r.req_id].sampling_params for r in sampling]
-        tokens = self.sampler(logits, params, [r.seed_offset for r in sampling])
-        ids = [r.req_id for r in sampling]
-        output = ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps,
-                                   pending=(ids, SampledTokens(tokens)))
-        if any(p.logprobs is not None for p in params):  # these need the ids now
-            lps = self.sampler.logprobs(logits, params, list(output.resolve().sampled.values()))
-            output.logprobs = {i: lp for i, lp in zip(ids, lps) if lp is not None}
-        return output, tokens
+        return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps), logits
+
+    def _finish_sampling(self, output, sampling, logits) -> None:
+        tokens = None
+        if logits is not None:
+            params = [self.requests[r.req_id].sampling_params for r in sampling]
+            tokens = self.sampler(logits, params, [r.seed_offset for r in sampling])
+            ids = [r.req_id for r in sampling]
+            output.pending = (ids, SampledTokens(tokens))
+            if any(p.logprobs is not None for p in params):  # these need the ids now
+                lps = self.sampler.logprobs(logits, params, list(output.resolve().sampled.values()))
+                output.logprobs = {i: lp for i, lp in zip(ids, lps) if lp is not None}
+        if self.async_scheduling:
+            self._keep_sampled(sampling, tokens)
 
     def _keep_sampled(self, sampling: list[ScheduledRequest], tokens: torch.Tensor | None) -> None:
         if not sampling:

@@ -109,3 +109,15 @@ def apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     drop = (probs.cumsum(dim=-1) - probs) >= p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Structured outputs: logits[rows[i]] keeps only the tokens whose bit is set in
+    bitmask[i] (int32 words on the host, bit j of word w = token 32 w + j); in place."""
+    if not rows:
+        return
+    dev, vocab = logits.device, logits.shape[-1]
+    words = to_device(bitmask, dev)
+    allowed = ((words[:, :, None] >> torch.arange(32, device=dev, dtype=words.dtype)) & 1).flatten(1)
+    index = to_device(np.array(rows, np.int64), dev)
+    logits[index] = logits[index].masked_fill(allowed[:, :vocab] == 0, float("-inf"))

@@ -33,12 +33,25 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's and vLLM's APIs that this server knows and cannot honour, with the values
 # that ask for nothing (None always does): any other value is a 400 naming the field.
 UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-               "min_p": (0,), "use_beam_search": (False,), "length_penalty": (1,), "best_of": (1,),
+               "min_p": (0,), "use_beam_search": (False,), "length_penalty": (1,),
                "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
                "logits_processors": (), "skip_special_tokens": (True,), "priority": (0,),
                "spaces_between_special_tokens": (True,), "cache_salt": (), "request_id": (),
                "vllm_xargs": (), "mm_processor_kwargs": ()}
 HARMLESS = {"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(BaseModel):
@@ -55,6 +68,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1)
+    best_of: int | None = None  # refused above 1 (n gives several choices)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
@@ -66,6 +80,13 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False  # vLLM's: choices carry the output token ids (a chunk per step)
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (longserve proxy)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -14,7 +14,7 @@ from longserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChu
                                                    ChatStreamChoice, DeltaMessage, OpenAIError,
                                                    TopLogprob, random_id)
 from longserve.entrypoints.openai.serving_engine import (TokenNames, check_errors, check_model,
-                                                         read_all,
+                                                         kv_transfer_params, read_all,
                                                          read_streams, sampling_params, sse,
                                                          sse_error, submit, usage, vllm_prompt_logprobs)
 
@@ -57,21 +57,21 @@ class OpenAIServingChat:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+        params = sampling_params(req, max_tokens, logprobs, self.core, req.prompt_logprobs)
         [(_, stream)] = submit(self.core, [self.render(req)], params, "messages")
         request_id, model = random_id("chatcmpl"), self.served_names[0]
         name = self.names.namer(req.return_tokens_as_token_ids)
         if req.stream:
             return StreamingResponse(self._stream(request_id, model, stream, req, name),
                                      media_type="text/event-stream")
-        [out] = await read_all(self.core, [stream])
-        check_errors([out])
-        choice = ChatChoice(index=0, message=ChatMessageOut(content=out.text),
-                            logprobs=self._logprobs(out, name), finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason)
-        return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage([out]),
-                                      prompt_logprobs=vllm_prompt_logprobs(out, req.prompt_logprobs, name),
-                                      kv_transfer_params=out.kv_transfer_params)
+        outs = await read_all(self.core, [stream])
+        check_errors(outs)
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=out.text),
+                              logprobs=self._logprobs(out, name), finish_reason=out.finish_reason,
+                              stop_reason=out.stop_reason) for i, out in enumerate(outs)]
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs),
+                                      prompt_logprobs=vllm_prompt_logprobs(outs[0], req.prompt_logprobs, name),
+                                      kv_transfer_params=kv_transfer_params(outs))
 
     @staticmethod
     def _top(token: int, logprob: float, name) -> TopLogprob:
@@ -92,21 +92,22 @@ class OpenAIServingChat:
     async def _stream(self, request_id, model, stream, req: ChatCompletionRequest, name):
         chunk = lambda choice, **kw: sse(ChatCompletionChunk(  # noqa: E731
             id=request_id, model=model, choices=[choice] if choice else [], **kw))
-        final = None
+        finals: dict[int, StreamOutput] = {}
         try:
-            yield chunk(ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content="")))
+            for i in range(stream.n):
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
             async with aclosing(read_streams(self.core, [stream])) as deltas:
-                async for _, out in deltas:
-                    final = out if final is None else final.merged(out)
+                async for i, out in deltas:
+                    finals[i] = out if i not in finals else finals[i].merged(out)
                     check_errors([out])
                     if out.text or out.finished or out.logprobs or out.prompt_logprobs:
                         yield chunk(ChatStreamChoice(
-                            index=0, delta=DeltaMessage(content=out.text or None),
+                            index=i, delta=DeltaMessage(content=out.text or None),
                             logprobs=self._logprobs(out, name),
                             finish_reason=out.finish_reason if out.finished else None),
                             prompt_logprobs=vllm_prompt_logprobs(out, req.prompt_logprobs, name))
             if req.include_usage:
-                yield chunk(None, usage=usage([final]))
+                yield chunk(None, usage=usage(list(finals.values())))
         except Exception as e:  # the engine failed mid-stream: tell the client, then end
             yield sse_error(e)
         yield "data: [DONE]\n\n"

@@ -41,7 +41,9 @@ class OpenAIServingCompletion:
         check_model(req.model, self.served_names)
         scored = req.echo and req.logprobs is not None  # the prompt's tokens come with logprobs
         prompt_k = max(req.logprobs, req.prompt_logprobs or 0) if scored else req.prompt_logprobs
-        params = sampling_params(req, req.max_tokens, req.logprobs, prompt_k)
+        if prompt_k is not None and req.n > 1:
+            raise OpenAIError("prompt scoring (echo with logprobs, prompt_logprobs) needs n=1", param="n")
+        params = sampling_params(req, req.max_tokens, req.logprobs, self.core, prompt_k)
         submitted = submit(self.core, normalize_prompts(req.prompt), params, "prompt")
         # per prompt: (the echoed text, the prompt ids whose logprobs lead the choice's)
         echoes = [(self._echo(r) if req.echo else "", r.prompt_token_ids if scored else None)
@@ -55,7 +57,7 @@ class OpenAIServingCompletion:
             return StreamingResponse(body, media_type="text/event-stream")
         outs = await read_all(self.core, streams)
         check_errors(outs)
-        choices = [shape.choice(i, out, echoes[i], 0) for i, out in enumerate(outs)]
+        choices = [shape.choice(i, out, echoes[i // req.n], 0) for i, out in enumerate(outs)]
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs),
                                   kv_transfer_params=kv_transfer_params(outs))
 
@@ -65,11 +67,11 @@ class OpenAIServingCompletion:
 
     async def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, shape):
         outs: dict[int, StreamOutput] = {}
-        offsets = [0] * len(streams)
+        offsets = [0] * (len(streams) * req.n)
         try:
             async with aclosing(read_streams(self.core, streams)) as deltas:
                 async for index, out in deltas:
-                    echo = echoes[index] if index not in outs else ("", None)
+                    echo = echoes[index // req.n] if index not in outs else ("", None)
                     outs[index] = out if index not in outs else outs[index].merged(out)
                     check_errors([out])
                     if not (echo[0] or out.text or out.finished or out.logprobs or req.return_token_ids):

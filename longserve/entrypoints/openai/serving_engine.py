@@ -16,7 +16,7 @@ from longserve.engine.messages import EngineCoreRequest
 from longserve.engine.output_processor import EngineDeadError, EngineOverloadedError, StreamOutput
 from longserve.entrypoints.openai.protocol import (OpenAIError, PromptLogprob, SamplingFields,
                                                    UsageInfo)
-from longserve.sampling_params import SamplingParams
+from longserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("longserve.server")
 _warned: set[str] = set()  # unknown fields already logged (once per name)
@@ -49,16 +49,18 @@ def check_fields(req: SamplingFields) -> None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    if req.n != 1:
-        raise OpenAIError(f"n must be 1 (one choice per prompt), got {req.n}", param="n")
+                    core: LLMEngine, prompt_logprobs: int | None = None) -> SamplingParams:
+    if req.best_of not in (None, 1):
+        raise OpenAIError(f"best_of must be 1 (best_of > 1 is not supported; n gives several "
+                          f"choices), got {req.best_of}", param="best_of")
     check_fields(req)
     if max_tokens == 0 and prompt_logprobs is None:
         raise OpenAIError("max_tokens must be >= 1 unless the prompt is scored (echo with logprobs, "
                           "or prompt_logprobs)", param="max_tokens")
+    so, field = structured_outputs(req)
     try:
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
+        params = SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
@@ -67,6 +69,33 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None)
     except (ValueError, TypeError) as e:
         raise OpenAIError(str(e), param=_param_of(str(e))) from None
+    try:  # the door compiles it too (cached): a schema xgrammar cannot compile is a 400 here
+        params.structured_outputs = so and StructuredOutputsParams(**so)
+        if so:
+            core.check_structured_outputs(params.structured_outputs)
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(f"{field}: {e}", param=field) from None
+    return params
+
+
+def structured_outputs(req: SamplingFields) -> tuple[dict | None, str | None]:
+    """The request's grammar as StructuredOutputsParams fields, and the field that asked."""
+    rf, asked = req.response_format, {}
+    if rf is not None and rf.type == "json_object":
+        asked["response_format"] = {"json_object": True}
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise OpenAIError("response_format: json_schema.schema is required for type json_schema",
+                              param="response_format")
+        asked["response_format"] = {"json": rf.json_schema.schema_}
+    if req.structured_outputs is not None:
+        asked["structured_outputs"] = req.structured_outputs
+    for kind in ("json", "regex", "choice", "grammar"):
+        if getattr(req, f"guided_{kind}") is not None:
+            asked[f"guided_{kind}"] = {kind: getattr(req, f"guided_{kind}")}
+    if len(asked) > 1:
+        raise OpenAIError(f"give one of {', '.join(asked)}, not several", param=list(asked)[1])
+    return next(iter(asked.values()), None), next(iter(asked), None)
 
 
 def submit(core: LLMEngine, prompts: list, params: SamplingParams, param: str) -> list:
@@ -76,7 +105,7 @@ def submit(core: LLMEngine, prompts: list, params: SamplingParams, param: str) -
         try:
             requests.append(core.make_request(prompt, params))
         except (ValueError, TypeError) as e:
-            raise OpenAIError(str(e), param=param) from None
+            raise OpenAIError(str(e), param=_param_of(str(e)) or param) from None
     max_len = core.config.scheduler.max_model_len
     for req in requests:
         if params.max_tokens is not None and req.num_prompt_tokens + params.max_tokens > max_len:
@@ -102,21 +131,19 @@ def unavailable(e: Exception) -> OpenAIError:
 
 
 async def read_streams(core: LLMEngine, streams: list):
-    """(index, delta) from all streams as they come; on exit aborts every unfinished request
-    (a client that went away leaves nothing running and no KV block held)."""
-    unfinished = {s.request_id for s in streams}
+    """(choice index, delta) from all streams as they come (prompt i's choice j is i * n + j,
+    as OpenAI numbers them); on exit aborts every unfinished request (a client that went away
+    leaves nothing running and no KV block held; a finished one is not aborted again)."""
     source = _one(streams[0]) if len(streams) == 1 else _interleaved(streams)
     try:
         async with aclosing(source) as items:
-            async for index, out in items:
-                if out.finished:
-                    unfinished.discard(out.request_id)
-                yield index, out
+            async for i, out in items:
+                yield i * streams[i].n + out.index, out
     except EngineDeadError as e:
         raise unavailable(e) from None
     finally:
-        for request_id in unfinished:
-            core.abort(request_id)
+        for s in streams:
+            core.abort(s.request_id)
 
 
 async def _one(stream):
@@ -131,19 +158,21 @@ async def _interleaved(streams: list):
         try:
             async for out in stream:
                 queue.put_nowait((index, out))
+            queue.put_nowait((index, None))  # every choice of it finished
         except Exception as e:
             queue.put_nowait((index, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        for _ in range(len(streams)):  # until each stream finished (or failed)
-            while True:
-                index, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
+        left = len(streams)
+        while left:  # until each stream finished (or one failed)
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                left -= 1
+            else:
                 yield index, item
-                if item.finished:
-                    break
     finally:
         for task in tasks:
             task.cancel()
@@ -161,8 +190,8 @@ def kv_transfer_params(outs: list[StreamOutput]) -> dict | None:
 
 
 async def read_all(core: LLMEngine, streams: list) -> list[StreamOutput]:
-    """The whole output of each stream, in order."""
-    outs: list[StreamOutput | None] = [None] * len(streams)
+    """The whole output of each choice of each stream, in order."""
+    outs: list[StreamOutput | None] = [None] * sum(s.n for s in streams)
     async with aclosing(read_streams(core, streams)) as deltas:
         async for index, out in deltas:
             outs[index] = out if outs[index] is None else outs[index].merged(out)
@@ -170,7 +199,8 @@ async def read_all(core: LLMEngine, streams: list) -> list[StreamOutput]:
 
 
 def usage(outs: list[StreamOutput]) -> UsageInfo:
-    prompt = sum(o.num_prompt_tokens for o in outs)
+    """A prompt's tokens count once (with its choice 0), every choice's output tokens."""
+    prompt = sum(o.num_prompt_tokens for o in outs if o.index == 0)
     completion = sum(o.num_output_tokens for o in outs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 

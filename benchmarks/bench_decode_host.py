@@ -1,0 +1,133 @@
+"""Host time of eager CP decode, per step and per layer, on CPU ranks joined by gloo.
+
+Each layout runs its ranks as processes (tiny built-in model, float32, enforce_eager), one
+prefill of a few requests, then decode steps built as the engine builds them. Per decode
+step it reports (median over steps, rank 0):
+  step     : the whole step (inputs, forward, sampling), divided by the layers too;
+  attn     : the attention layers' forward (store KV, paged attention, the CP exchange);
+  colls    : collectives per layer inside attention, and per step in all.
+On CPU every microsecond is host time; the tiny model keeps the arithmetic negligible, so
+this is the Python/launch/collective-call overhead that eager decode pays per layer.
+
+    python benchmarks/bench_decode_host.py                  # this checkout
+    PYTHONPATH=/tmp/old python benchmarks/bench_decode_host.py   # another checkout: before
+"""
+import argparse
+import os
+import socket
+import statistics
+import time
+import types
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LAYOUTS = {"pcp2": dict(prefill_context_parallel_size=2),
+           "tp2-dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2)}
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single", "broadcast", "all_to_all")
+
+
+def count_collectives(counter: dict) -> None:
+    for name in COLLECTIVES:
+        fn = getattr(dist, name)
+
+        def counted(*a, _fn=fn, **k):
+            counter["all"] += 1
+            counter["attn"] += counter["in_attn"]
+            return _fn(*a, **k)
+        setattr(dist, name, counted)
+
+
+def time_attention(runner, acc: dict) -> None:
+    fwd = runner.backend.forward
+
+    def timed(self, *a, **k):
+        t, acc["in_attn"] = time.perf_counter(), 1
+        try:
+            return fwd(*a, **k)
+        finally:
+            acc["attn_s"] += time.perf_counter() - t
+            acc["in_attn"] = 0
+    runner.backend.forward = types.MethodType(timed, runner.backend)
+
+
+def rank_main(rank, world, port, layout, args, results):
+    torch.set_num_threads(1)
+    from longserve.llm import build_engine_config
+    from longserve.sampling_params import SamplingParams
+    from longserve.step_plan import ScheduledRequest, SchedulerOutput
+    from longserve.worker.worker import Worker
+    L, B, steps = args.prompt_len, args.batch, args.steps
+    cfg = build_engine_config(args.model, device="cpu", load_format="dummy", enforce_eager=True,
+                              max_model_len=L + steps + 64, async_scheduling=False,
+                              cpu_kv_cache_gb=0.05, **LAYOUTS[layout])
+    w = Worker(cfg, rank, f"tcp://127.0.0.1:{port}")
+    w.init_cache(w.determine_num_blocks())
+    runner, acc = w.runner, dict(attn_s=0.0, in_attn=0, all=0, attn=0)
+    count_collectives(acc)
+    time_attention(runner, acc)
+    per_req = -(-(L + steps + 1) // cfg.cache.block_size)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    reqs = [ScheduledRequest(f"r{i}", [3 + (i + j) % 200 for j in range(L)], 0,
+                             list(range(i * per_req, (i + 1) * per_req)), True, True, params)
+            for i in range(B)]
+    w.execute(SchedulerOutput(reqs))
+    rows = []
+    for s in range(steps):
+        step = SchedulerOutput([ScheduledRequest(f"r{i}", [5], L + s, [], False, True)
+                                for i in range(B)])
+        acc.update(attn_s=0.0, all=0, attn=0)
+        t = time.perf_counter()
+        w.execute(step)
+        rows.append((time.perf_counter() - t, acc["attn_s"], acc["attn"], acc["all"]))
+    layers = len(runner.layers)
+    warm = rows[args.warmup:]
+    med = lambda i: statistics.median(r[i] for r in warm)  # noqa: E731
+    results.put((rank, dict(layers=layers, step_ms=med(0) * 1e3, attn_ms=med(1) * 1e3,
+                            attn_colls=med(2), all_colls=med(3))))
+    w.close()
+
+
+def run_layout(layout: str, args) -> dict:
+    kw = LAYOUTS[layout]  # dcp splits the tp group: it adds no ranks
+    world = kw.get("tensor_parallel_size", 1) * kw.get("prefill_context_parallel_size", 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, layout, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return got[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:qwen3-tiny")
+    ap.add_argument("--layouts", default="pcp2,tp2-dcp2")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args()
+    import longserve
+    print(f"longserve from {os.path.dirname(longserve.__file__)}; {args.model}, batch {args.batch}, "
+          f"context {args.prompt_len}, {args.steps - args.warmup} decode steps (median, rank 0)")
+    print("| layout | layers | step ms | step ms / layer | attn ms / layer | attn colls / layer "
+          "| colls / step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for layout in args.layouts.split(","):
+        r = run_layout(layout, args)
+        n = r["layers"]
+        print(f"| {layout} | {n} | {r['step_ms']:.2f} | {r['step_ms'] / n:.3f} | "
+              f"{r['attn_ms'] / n:.3f} | {r['attn_colls'] / n:g} | {r['all_colls']:g} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Structured outputs with xgrammar: compiled grammars (an LRU cache by spec), a grammar
+matcher per request, and the token bitmask of a step's structured rows.
+
+The door (LLMEngine.make_request) compiles a request's grammar so that one xgrammar cannot
+compile is refused before it is queued. The engine core compiles it again on a thread of its
+own (a large schema can take long) and the request joins the scheduler only when its matcher
+is ready. The matcher accepts every sampled token when the host learns it (scheduler
+`_check_stop`), so a recompute after preemption feeds it nothing twice; it dies with its
+request (finish, abort). A step with structured requests samples after its forward: the core
+fills their bitmask while the device runs the forward (engine/core.py).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import torch
+
+from longserve.config import ModelConfig
+from longserve.engine.request import Request
+from longserve.sampling_params import StructuredOutputsParams
+from longserve.step_plan import SchedulerOutput
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one tokenizer; `compile(kind, spec)` is cached (LRU)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = 256):
+        if tokenizer is None:
+            raise ValueError("structured_outputs need the model's tokenizer (tokenizer.json)")
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+        # vocab_size is the model's (its logits' width): tokens the tokenizer lacks stay masked
+        info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
+                                                  vocab_size=vocab_size,
+                                                  stop_token_ids=eos_token_ids or None)
+        self.xgr, self.vocab_size = xgr, vocab_size
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self.compile = functools.lru_cache(cache_size)(self._compile)
+
+    def _compile(self, kind: str, spec: str):
+        c = self.compiler
+        try:  # compact JSON: no free whitespace a model could loop on
+            if kind in ("json", "json_object"):
+                return c.compile_json_schema(spec or '{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return c.compile_regex(spec)
+            if kind == "choice":
+                return c.compile_grammar("root ::= " + " | ".join(map(json.dumps, json.loads(spec))))
+            return c.compile_grammar(spec)
+        except Exception as e:  # xgrammar's messages start with a time and a C++ source line
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
+            raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {reason}") from None
+
+    def check(self, so: StructuredOutputsParams) -> None:
+        self.compile(*so.key)
+
+
+class StructuredOutputManager:
+    """The engine core's side: compiles off the step loop, keeps requests out of the
+    scheduler until their matcher is ready, builds the bitmask of a step."""
+
+    def __init__(self, model: ModelConfig):
+        self.model = model
+        self._compiler: GrammarCompiler | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.compiling: dict[str, tuple[Request, Future]] = {}
+
+    def compiler(self) -> GrammarCompiler:  # on the pool's thread: the tokenizer loads there
+        if self._compiler is None:
+            from longserve.tokenizer import load_tokenizer
+            m = self.model
+            self._compiler = GrammarCompiler(load_tokenizer(m).tokenizer, m.vocab_size, m.eos_token_ids)
+        return self._compiler
+
+    def add(self, req: Request) -> None:
+        key = req.sampling_params.structured_outputs.key
+        self.compiling[req.request_id] = req, self._pool.submit(lambda: self.compiler().compile(*key))
+
+    def abort(self, req_id: str) -> None:
+        """A compiling request, or one choice of it."""
+        self.compiling.pop(req_id, None)
+        for req, _ in self.compiling.values():
+            req.children = [c for c in req.children if c.request_id != req_id]
+
+    def ready(self, block: bool) -> list[Request]:
+        """Requests whose grammar compiled (a matcher attached) or failed (finished with the
+        error), in arrival order. block: wait up to 50 ms for one (nothing else to do)."""
+        if block and self.compiling:
+            wait([f for _, f in self.compiling.values()], 0.05, FIRST_COMPLETED)
+        out = []
+        for req_id, (req, future) in list(self.compiling.items()):
+            if future.done():
+                del self.compiling[req_id]
+                error = future.exception()
+                for r in [req] + req.children:  # n > 1: a matcher per choice
+                    if error is None:
+                        r.grammar = self._compiler.xgr.GrammarMatcher(future.result())
+                    else:
+                        r.finish_reason, r.error = "error", str(error)
+                out.append(req)
+        return out
+
+    def bitmask(self, out: SchedulerOutput, requests: dict[str, Request]) -> tuple[torch.Tensor, list[int]]:
+        """int32 [R, ceil(V / 32)] for the plan's sampling rows whose request has a live
+        matcher, and those rows (indices among the plan's sampling requests)."""
+        sampling = [requests.get(r.req_id) for r in out.requests if r.sample]
+        rows = [i for i, q in enumerate(sampling) if q is not None and q.grammar is not None
+                and not q.grammar.is_terminated()]
+        mask = self._compiler.xgr.allocate_token_bitmask(len(rows), self.model.vocab_size)
+        for j, i in enumerate(rows):
+            sampling[i].grammar.fill_next_token_bitmask(mask, j)
+        return mask, rows
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
