@@ -123,7 +123,7 @@ class LLMEngine:
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:
-                raise ValueError(f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
         check_request_fits(num_prompt_tokens, params.max_tokens, self.config.scheduler.max_model_len,
                            self.num_blocks, self.tokens_per_block)
         if params.structured_outputs is not None:

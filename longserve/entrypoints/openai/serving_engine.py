@@ -23,7 +23,7 @@ _warned: set[str] = set()  # unknown fields already logged (once per name)
 
 
 def _param_of(message: str) -> str | None:
-    m = re.match(r"(\w+) must", message)
+    m = re.match(r"(\w+) (must|\[)", message)
     return m.group(1) if m else None
 
 
