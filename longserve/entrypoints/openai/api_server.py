@@ -102,7 +102,7 @@ def banner(info: dict) -> list[str]:
             f"KV cache: {info['num_gpu_blocks']} blocks of {info['tokens_per_block']} tokens = "
             f"{tokens} tokens per engine core",
             f"Maximum concurrency for {max_len} tokens per request: {tokens / max_len:.2f}x",
-            f"weights loaded in {info['load_s']:.2f} s; CUDA graph capture: "
+            f"engine core started in {info['load_s']:.2f} s; CUDA graph capture: "
             + ("none" if graphs is None else f"{graphs:.2f} s")]
 
 
