@@ -97,6 +97,7 @@ class SamplingParams:
     # per prompt token (from the second): its logprob given its prefix, plus the top-k (0: only it)
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     extra_args: dict | None = None  # {"kv_transfer_params": {...}}: a consumer loads the prompt's KV
     structured_outputs: StructuredOutputsParams | None = None  # output constrained by a grammar
 
@@ -117,7 +118,7 @@ class SamplingParams:
         if self.seed is not None:  # choice i samples with seed + i
             self.seed = as_int(self.seed, "seed", SEED_RANGE[0], SEED_RANGE[1] - self.n + 1)
         if self.max_tokens is not None:
-            self.max_tokens = as_int(self.max_tokens, "max_tokens", 1)
+            self.max_tokens = as_int(self.max_tokens, "max_tokens", 0)  # 0: score the prompt only
         self.min_tokens = as_int(self.min_tokens, "min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
@@ -126,6 +127,12 @@ class SamplingParams:
             self.logprobs = as_int(self.logprobs, "logprobs", 0)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = as_int(self.prompt_logprobs, "prompt_logprobs", 0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_short(self.logit_bias)}")
+            self.logit_bias = {as_int(int(t) if isinstance(t, str) and t.isdigit() else t,
+                                      "logit_bias keys", 0): as_float(b, "logit_bias values")
+                               for t, b in self.logit_bias.items()} or None
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._token_list(self.stop_token_ids, "stop_token_ids")
         for name in ("ignore_eos", "include_stop_str_in_output"):
@@ -156,7 +163,8 @@ class SamplingParams:
         """A validated plain SamplingParams copy (what the engine queues and sends to workers)."""
         self.validate()
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)}
-        values = {k: list(v) if isinstance(v, list) else v for k, v in values.items()}
+        values = {k: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+                  for k, v in values.items()}
         if self.structured_outputs is not None:  # plain, the schema as canonical JSON text
             kind, spec = self.structured_outputs.key
             values["structured_outputs"] = StructuredOutputsParams(

@@ -213,3 +213,14 @@ def test_refused_with_kv_transfer_params(hf_models, pool_whole):
         with pytest.raises(ValueError, match="prompt_logprobs cannot be combined with kv_transfer"):
             llm.generate([{"prompt_token_ids": [3, 4, 5]}], params, use_tqdm=False)
         pool_whole(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(hf_models, pool_whole, async_scheduling):
+    path, model = hf_models["qwen2"]
+    llm = LLM(path, device="cpu", block_size=4, max_num_batched_tokens=8, async_scheduling=async_scheduling)
+    ps = prompts(3)
+    outs = generate(llm, ps, k=3, max_tokens=0)
+    assert all(o.outputs[0].token_ids == [] and o.outputs[0].finish_reason == "length" for o in outs)
+    assert_all_match(outs, ps, model, k=3)
+    pool_whole(llm)

@@ -48,6 +48,11 @@ def tokens(llm, prompt, params=None):
     (dict(stop_token_ids=[-1]), r"stop_token_ids entries must be in \[0"),
     (dict(stop_token_ids=5), r"stop_token_ids must be a list"),
     (dict(ignore_eos=1), r"ignore_eos must be True or False"),
+    (dict(max_tokens=-1), r"max_tokens must be in \[0"),
+    (dict(logit_bias=[1]), r"logit_bias must be a dict"),
+    (dict(logit_bias={-1: 1.0}), r"logit_bias keys must be in \[0"),
+    (dict(logit_bias={"x": 1.0}), r"logit_bias keys must be an integer"),
+    (dict(logit_bias={1: float("inf")}), r"logit_bias values must be a finite number"),
     (dict(include_stop_str_in_output="yes"), r"include_stop_str_in_output must be True or False"),
 ])
 def test_sampling_params_name_the_field_and_range(kwargs, message):

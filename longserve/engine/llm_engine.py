@@ -45,6 +45,7 @@ class LLMEngine:
         self.tokenizer = self.tokenizer_info.tokenizer
         self.output = OutputProcessor(self.decode)
         self.error: str | None = None  # set when no core can serve any more
+        self.log_requests = False  # an INFO line per request (the server's --enable-log-requests)
         self._closed = False
         self._ids = itertools.count()
         self.coordinator = DPCoordinator(config.parallel.data_parallel_size, config.dp_lockstep)
@@ -119,9 +120,10 @@ class LLMEngine:
         if params.n > 1 and self.config.kv_transfer.kv_role in ("kv_producer", "kv_both"):
             raise ValueError("n must be 1 on a KV producer instance (it hands one prompt's KV to a "
                              "decode instance; ask that one for several choices)")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
         check_request_fits(num_prompt_tokens, params.max_tokens, self.config.scheduler.max_model_len,
                            self.num_blocks, self.tokens_per_block)
         if params.structured_outputs is not None:
@@ -158,6 +160,9 @@ class LLMEngine:
         core = self.coordinator.choose(request.data_parallel_rank)
         if core in self.coordinator.dead:
             raise EngineDeadError(self.client.dead.get(core, f"engine core {core} is dead"))
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request.request_id,
+                        request.num_prompt_tokens, request.sampling_params)
         sink = sink if sink is not None else RequestStream(request.request_id, loop,
                                                            request.sampling_params.n)
         self.output.add(request, sink, core)

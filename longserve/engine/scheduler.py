@@ -44,7 +44,7 @@ from longserve.step_plan import ScheduledRequest, SchedulerOutput
 def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                        num_blocks: int, tokens_per_block: int) -> None:
     """The door rule: refuse a request that could not run even alone in the pool at its longest."""
-    longest = min(num_prompt_tokens + (max_tokens or max_model_len), max_model_len)
+    longest = min(num_prompt_tokens + (max_model_len if max_tokens is None else max_tokens), max_model_len)
     need = -(-(longest - 1) // tokens_per_block)  # the last sampled token is never cached
     if need > num_blocks:
         raise ValueError(
@@ -300,7 +300,7 @@ class Scheduler:
                 self._add_prompt_logprobs(req, sr, prompt_logprobs[sr.req_id])
             if sr.sample:
                 req.num_output_placeholders -= 1
-                if sr.req_id in sampled:
+                if sr.req_id in sampled and req.sampling_params.max_tokens != 0:
                     req.output_token_ids.append(sampled[sr.req_id])
                     if logprobs and sr.req_id in logprobs:
                         req.logprobs.append(logprobs[sr.req_id])
@@ -323,7 +323,11 @@ class Scheduler:
             req.prompt_logprobs.extend(entries[have + 1 - first:])
 
     def _check_stop(self, req: Request) -> bool:
-        params, token = req.sampling_params, req.output_token_ids[-1]
+        params = req.sampling_params
+        if params.max_tokens == 0:  # scored only: it ends after its prefill, without a token
+            req.finish_reason = "length"
+            return True
+        token = req.output_token_ids[-1]
         n_out = len(req.output_token_ids)
         if req.grammar is not None:  # advanced once per token, when the host learns it
             if not req.grammar.accept_token(token):

@@ -169,7 +169,7 @@ def cmd_serve(args) -> None:
     names = args.served_model_name or [args.model]
     sys.exit(run_server(lambda: LLMEngine(engine_config(args), max_waiting=args.max_waiting), names,
                         args.host, args.port, args.api_key, args.chat_template,
-                        args.shutdown_timeout, args.uvicorn_log_level))
+                        args.shutdown_timeout, args.uvicorn_log_level, args.enable_log_requests))
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -186,6 +186,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may drain after Ctrl-C / SIGTERM")
     p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log one INFO line per request (id, prompt tokens, sampling params)")
     p.add_argument("--headless", action="store_true",
                    help="run only this host's engine cores (they connect to the front end at "
                         "--data-parallel-address:--data-parallel-rpc-port)")

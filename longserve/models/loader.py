@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import torch
 from safetensors import safe_open
@@ -69,12 +70,14 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[tuple[int, s
     shapes = checkpoint_shapes(cfg) | fused_expert_shapes(cfg)
     loaded: set[tuple] = set()
     kv_scales: dict[tuple[int, str], torch.Tensor] = {}
+    bar = progress_bar(len(shapes))
     if is_gguf(cfg.path):  # one file, dequantized tensor by tensor
         for name, tensor in gguf_tensors(cfg.path, gguf_hf_config(cfg.path)):
             load_named(params, name, tensor, cfg.path, cfg, loaded, shapes, kv_scales)
+            bar.update()
     for file in [] if is_gguf(cfg.path) else safetensors_files(cfg.path):
         try:
-            load_file(params, file, cfg, loaded, shapes, kv_scales)
+            load_file(params, file, cfg, loaded, shapes, kv_scales, bar)
         except ValueError:
             raise  # ours: names the tensor and the file
         except Exception as e:  # a truncated or corrupt file (SafetensorError, OSError, ...)
@@ -82,6 +85,7 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[tuple[int, s
     missing = [f"{n} ({shard})" if shard is not None else n
                for n in params for shard in expected_shards(n, cfg) if (n, shard) not in loaded
                and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    bar.close()
     if missing:
         raise ValueError(f"weights missing from {cfg.path!r}: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
@@ -89,10 +93,20 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[tuple[int, s
 
 
 def load_file(params: dict, file: str, cfg: ModelConfig, loaded: set, shapes: dict,
-              kv_scales: dict) -> None:
+              kv_scales: dict, bar) -> None:
     with safe_open(file, framework="pt") as f:
         for name in f.keys():
             load_named(params, name, f.get_tensor(name), file, cfg, loaded, shapes, kv_scales)
+            bar.update()
+
+
+def progress_bar(total: int):
+    """A tqdm bar while weights load: on a terminal, on the first rank, not under pytest."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+    quiet = (not sys.stderr.isatty() or "PYTEST_CURRENT_TEST" in os.environ
+             or (dist.is_initialized() and dist.get_rank() > 0))
+    return tqdm(total=total, desc="loading weights", unit="tensor", disable=quiet, leave=False)
 
 
 def load_named(params: dict, name: str, tensor, file: str, cfg: ModelConfig, loaded: set,

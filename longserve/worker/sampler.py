@@ -26,6 +26,7 @@ class Sampler:
                  seed_offsets: list[int]) -> torch.Tensor:
         """logits [N, V] float32 -> N token ids [N] on the logits' device (nothing waits
         for the device here: asynchronous scheduling reads them a step later)."""
+        logits = apply_logit_bias(logits, [p.logit_bias for p in params])
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
             greedy = to_device(np.array([p.greedy for p in params]), logits.device)
@@ -77,6 +78,16 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int],
     top_i = top.indices.tolist() if k else [[]] * len(targets)
     return [{t: c, **dict(zip(ids[:kr], vs[:kr]))}
             for t, c, kr, vs, ids in zip(targets, chosen, top_ks, top_v, top_i)]
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """A copy with each row's biases added (logprobs stay those of the model, as vLLM's)."""
+    if not any(biases):
+        return logits
+    rows, cols, vals = zip(*[(i, t, b) for i, bias in enumerate(biases) for t, b in (bias or {}).items()])
+    index = to_device(np.array([rows, cols]), logits.device)
+    return logits.index_put((index[0], index[1]), to_device(np.array(vals, np.float32), logits.device),
+                            accumulate=True)
 
 
 def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

@@ -20,12 +20,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+import longserve
 from longserve.engine.llm_engine import LLMEngine
 from longserve.entrypoints.openai.metrics import make_registry
 from longserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                   ModelCard, ModelList, OpenAIError)
+                                                   DetokenizeRequest, ModelCard, ModelList,
+                                                   OpenAIError, TokenizeRequest)
 from longserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from longserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from longserve.entrypoints.openai.serving_engine import check_model
 
 logger = logging.getLogger("longserve.server")
 
@@ -40,6 +43,7 @@ class ServerState:
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
     registry: object = field(default=None)
+    log_requests: bool = False
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
@@ -48,10 +52,10 @@ def error_response(e: OpenAIError) -> JSONResponse:
 
 
 def build_app(load_core: Callable[[], LLMEngine], served_names: list[str], api_key: str | None = None,
-              chat_template: str | None = None,
-              on_load_error: Callable[[], None] | None = None) -> FastAPI:
+              chat_template: str | None = None, on_load_error: Callable[[], None] | None = None,
+              log_requests: bool = False) -> FastAPI:
     """`load_core` builds the engine core (on a thread, after the server starts listening)."""
-    state = ServerState(served_names, api_key, chat_template)
+    state = ServerState(served_names, api_key, chat_template, log_requests=log_requests)
     state.registry = make_registry(lambda: state.core, served_names[0])
 
     @asynccontextmanager
@@ -74,13 +78,32 @@ async def _load(state: ServerState, load_core, on_load_error) -> None:
         core = await asyncio.to_thread(load_core)
         state.completion = OpenAIServingCompletion(core, state.served_names)
         state.chat = OpenAIServingChat(core, state.served_names, state.chat_template)
+        core.log_requests = state.log_requests
         state.core = core
+        for line in banner(core.info()):
+            logger.info(line)
         logger.info("the engine is ready: serving %s", state.served_names[0])
     except Exception as e:
         logger.exception("the engine failed to start")
         state.load_error = f"the engine failed to start: {type(e).__name__}: {e}"
         if on_load_error is not None:
             on_load_error()
+
+
+def banner(info: dict) -> list[str]:
+    """What the server holds, in the start-up log (KV and concurrency per engine core)."""
+    tokens, max_len = info["num_gpu_blocks"] * info["tokens_per_block"], info["max_model_len"]
+    names = info["device_names"]
+    devices = ", ".join(f"{names.count(n)} x {n}" for n in dict.fromkeys(names))
+    graphs = info["cudagraph_capture_s"]
+    return [f"model: {info['model']} ({info['dtype']}, on {info['device']})",
+            f"layout: tp={info['tensor_parallel_size']} pcp={info['prefill_context_parallel_size']} "
+            f"dcp={info['decode_context_parallel_size']} dp={info['data_parallel_size']} on {devices}",
+            f"KV cache: {info['num_gpu_blocks']} blocks of {info['tokens_per_block']} tokens = "
+            f"{tokens} tokens per engine core",
+            f"Maximum concurrency for {max_len} tokens per request: {tokens / max_len:.2f}x",
+            f"engine core started in {info['load_s']:.2f} s; CUDA graph capture: "
+            + ("none" if graphs is None else f"{graphs:.2f} s")]
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -148,10 +171,39 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest):
         return await state.chat.create_chat_completion(body)
 
+    @app.get("/version")
+    async def version():
+        return {"version": longserve.__version__}
+
+    @app.post("/tokenize", dependencies=v1)
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model, state.served_names)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError("give either prompt or messages", param="prompt")
+        try:
+            if body.messages is None:
+                ids = state.core.encode(body.prompt, body.add_special_tokens is not False)
+            else:  # rendered by the chat template, which writes the special tokens itself
+                rendered = state.chat.render(body)
+                ids = (state.core.encode(rendered["prompt"]) if body.add_special_tokens
+                       else rendered["prompt_token_ids"])
+        except ValueError as e:
+            raise OpenAIError(str(e), param="prompt") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.core.config.scheduler.max_model_len}
+
+    @app.post("/detokenize", dependencies=v1)
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model, state.served_names)
+        try:
+            state.core.check_prompt(body.tokens)  # in the vocabulary
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tokens") from None
+        return {"prompt": state.core.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
 
 def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host: str = "127.0.0.1",
                port: int = 8000, api_key: str | None = None, chat_template: str | None = None,
-               shutdown_timeout: float = 10.0, log_level: str = "info") -> int:
+               shutdown_timeout: float = 10.0, log_level: str = "info", log_requests: bool = False) -> int:
     """Serve until Ctrl-C / SIGTERM; returns the exit status (1 if the engine failed to start)."""
     import uvicorn
     holder: dict = {}
@@ -159,7 +211,8 @@ def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host
     def stop():
         holder["server"].should_exit = True
 
-    app = build_app(load_core, served_names, api_key, chat_template, on_load_error=stop)
+    app = build_app(load_core, served_names, api_key, chat_template, on_load_error=stop,
+                    log_requests=log_requests)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout)
     holder["server"] = uvicorn.Server(config)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +30,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields of OpenAI's and vLLM's APIs that this server knows and cannot honour, with the values
+# that ask for nothing (None always does): any other value is a 400 naming the field.
+UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+               "min_p": (0,), "use_beam_search": (False,), "length_penalty": (1,),
+               "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+               "logits_processors": (), "skip_special_tokens": (True,), "priority": (0,),
+               "spaces_between_special_tokens": (True,), "cache_salt": (), "request_id": (),
+               "vllm_xargs": (), "mm_processor_kwargs": ()}
+HARMLESS = {"user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
+
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
     name: str
@@ -44,7 +55,11 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields that completions and chat share (OpenAI's, plus vLLM's top_k, ignore_eos, ...)."""
+    """Fields that completions and chat share (OpenAI's, plus vLLM's top_k, ignore_eos, ...).
+    Unknown fields are kept (`model_extra`): `unsupported()` refuses the known ones, the
+    server logs the rest once."""
+    model_config = ConfigDict(extra="allow")
+    unsupported_here: ClassVar[dict] = {}
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -57,8 +72,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -77,13 +92,24 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def unsupported(self) -> tuple[str | None, list[str]]:
+        """(the first field set that this server cannot honour, the unknown fields)."""
+        refused, unknown = None, []
+        for name, value in (self.model_extra or {}).items():
+            ok = {**UNSUPPORTED, **self.unsupported_here}.get(name)
+            if ok is not None and value is not None and value not in ok:
+                refused = refused or name
+            elif ok is None and name not in HARMLESS:
+                unknown.append(name)
+        return refused, unknown
+
 
 class CompletionRequest(SamplingFields):
+    unsupported_here: ClassVar[dict] = {"suffix": ("",), "add_special_tokens": (True,)}
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: score the prompt (with echo or prompt_logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
 
 
 class ContentPart(BaseModel):
@@ -98,6 +124,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # no tool parser exists for any chat format yet: tools are refused, tool_choice "none" is fine
+    unsupported_here: ClassVar[dict] = {
+        "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],),
+        "function_call": ("none",), "echo": (False,), "continue_final_message": (False,),
+        "add_special_tokens": (False,), "documents": (), "chat_template": (), "chat_template_kwargs": ({},),
+        "store": (False,), "prediction": (), "audio": (), "modalities": (["text"],),
+        "reasoning_effort": (), "web_search_options": (), "verbosity": ()}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -120,10 +153,20 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):  # vLLM's Logprob
+    logprob: float
+    rank: int | None = None  # 1: the likeliest; None: a prompt token outside the top-k asked
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -185,6 +228,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: for the prompt, beside the choices
     kv_transfer_params: dict | None = None
 
 
@@ -195,6 +239,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the first tokens
 
 
 class ModelCard(BaseModel):
@@ -208,3 +253,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):  # vLLM's: a prompt, or messages rendered by the chat template
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]

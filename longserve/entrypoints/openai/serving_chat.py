@@ -16,7 +16,7 @@ from longserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChu
 from longserve.entrypoints.openai.serving_engine import (TokenNames, check_errors, check_model,
                                                          kv_transfer_params, read_all,
                                                          read_streams, sampling_params, sse,
-                                                         sse_error, submit, usage)
+                                                         sse_error, submit, usage, vllm_prompt_logprobs)
 
 
 def message_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -57,12 +57,12 @@ class OpenAIServingChat:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = sampling_params(req, max_tokens, logprobs, self.core)
+        params = sampling_params(req, max_tokens, logprobs, self.core, req.prompt_logprobs)
         [(_, stream)] = submit(self.core, [self.render(req)], params, "messages")
         request_id, model = random_id("chatcmpl"), self.served_names[0]
         name = self.names.namer(req.return_tokens_as_token_ids)
         if req.stream:
-            return StreamingResponse(self._stream(request_id, model, stream, req.include_usage, name),
+            return StreamingResponse(self._stream(request_id, model, stream, req, name),
                                      media_type="text/event-stream")
         outs = await read_all(self.core, [stream])
         check_errors(outs)
@@ -70,6 +70,7 @@ class OpenAIServingChat:
                               logprobs=self._logprobs(out, name), finish_reason=out.finish_reason,
                               stop_reason=out.stop_reason) for i, out in enumerate(outs)]
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs),
+                                      prompt_logprobs=vllm_prompt_logprobs(outs[0], req.prompt_logprobs, name),
                                       kv_transfer_params=kv_transfer_params(outs))
 
     @staticmethod
@@ -88,7 +89,7 @@ class OpenAIServingChat:
                                             top_logprobs=[self._top(t, v, name) for t, v in top]))
         return ChatLogprobs(content=content)
 
-    async def _stream(self, request_id, model, stream, include_usage, name):
+    async def _stream(self, request_id, model, stream, req: ChatCompletionRequest, name):
         chunk = lambda choice, **kw: sse(ChatCompletionChunk(  # noqa: E731
             id=request_id, model=model, choices=[choice] if choice else [], **kw))
         finals: dict[int, StreamOutput] = {}
@@ -99,12 +100,13 @@ class OpenAIServingChat:
                 async for i, out in deltas:
                     finals[i] = out if i not in finals else finals[i].merged(out)
                     check_errors([out])
-                    if out.text or out.finished or out.logprobs:
+                    if out.text or out.finished or out.logprobs or out.prompt_logprobs:
                         yield chunk(ChatStreamChoice(
                             index=i, delta=DeltaMessage(content=out.text or None),
                             logprobs=self._logprobs(out, name),
-                            finish_reason=out.finish_reason if out.finished else None))
-            if include_usage:
+                            finish_reason=out.finish_reason if out.finished else None),
+                            prompt_logprobs=vllm_prompt_logprobs(out, req.prompt_logprobs, name))
+            if req.include_usage:
                 yield chunk(None, usage=usage(list(finals.values())))
         except Exception as e:  # the engine failed mid-stream: tell the client, then end
             yield sse_error(e)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Callable
 
 from starlette.responses import StreamingResponse
 
@@ -13,7 +15,7 @@ from longserve.entrypoints.openai.protocol import (CompletionChoice, CompletionL
 from longserve.entrypoints.openai.serving_engine import (TokenNames, check_errors, check_model,
                                                          kv_transfer_params, read_all,
                                                          read_streams, sampling_params, sse,
-                                                         sse_error, submit, usage)
+                                                         sse_error, submit, usage, vllm_prompt_logprobs)
 
 
 def normalize_prompts(prompt) -> list:
@@ -37,24 +39,25 @@ class OpenAIServingCompletion:
 
     async def create_completion(self, req: CompletionRequest):
         check_model(req.model, self.served_names)
-        if req.suffix:
-            raise OpenAIError("suffix is not supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError("echo with logprobs needs the prompt's logprobs, which this server "
-                              "does not return yet", param="echo")
-        params = sampling_params(req, req.max_tokens, req.logprobs, self.core)
+        scored = req.echo and req.logprobs is not None  # the prompt's tokens come with logprobs
+        prompt_k = max(req.logprobs, req.prompt_logprobs or 0) if scored else req.prompt_logprobs
+        if prompt_k is not None and req.n > 1:
+            raise OpenAIError("prompt scoring (echo with logprobs, prompt_logprobs) needs n=1", param="n")
+        params = sampling_params(req, req.max_tokens, req.logprobs, self.core, prompt_k)
         submitted = submit(self.core, normalize_prompts(req.prompt), params, "prompt")
-        echoes = [self._echo(r) if req.echo else "" for r, _ in submitted]
-        name = self.names.namer(req.return_tokens_as_token_ids)
+        # per prompt: (the echoed text, the prompt ids whose logprobs lead the choice's)
+        echoes = [(self._echo(r) if req.echo else "", r.prompt_token_ids if scored else None)
+                  for r, _ in submitted]
+        shape = _Shape(self.names.namer(req.return_tokens_as_token_ids), req.return_token_ids,
+                       prompt_k if req.prompt_logprobs is not None else None)
         streams = [s for _, s in submitted]
         request_id, model = random_id("cmpl"), self.served_names[0]
         if req.stream:
-            body = self._stream(request_id, model, streams, echoes, req, name)
+            body = self._stream(request_id, model, streams, echoes, req, shape)
             return StreamingResponse(body, media_type="text/event-stream")
         outs = await read_all(self.core, streams)
         check_errors(outs)
-        choices = [self._choice(i, out, echoes[i // req.n], 0, name, req.return_token_ids)
-                   for i, out in enumerate(outs)]
+        choices = [shape.choice(i, out, echoes[i // req.n], 0) for i, out in enumerate(outs)]
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs),
                                   kv_transfer_params=kv_transfer_params(outs))
 
@@ -62,41 +65,19 @@ class OpenAIServingCompletion:
         return request.prompt if request.prompt is not None else \
             self.core.decode(request.prompt_token_ids)
 
-    def _choice(self, index: int, out: StreamOutput, prefix: str, text_offset: int, name,
-                with_ids: bool) -> CompletionChoice:
-        return CompletionChoice(index=index, text=prefix + out.text,
-                                logprobs=self._logprobs(out, text_offset, name),
-                                finish_reason=out.finish_reason if out.finished else None,
-                                stop_reason=out.stop_reason if out.finished else None,
-                                token_ids=out.token_ids if with_ids else None)
-
-    @staticmethod
-    def _logprobs(out: StreamOutput, offset: int, name) -> CompletionLogprobs | None:
-        if out.logprobs is None:
-            return None
-        lp = CompletionLogprobs()
-        for token, entry in zip(out.token_ids, out.logprobs):
-            text = name(token)
-            lp.tokens.append(text)
-            lp.token_logprobs.append(entry.get(token))
-            lp.top_logprobs.append({name(t): v for t, v in entry.items()})
-            lp.text_offset.append(offset)
-            offset += len(text)
-        return lp
-
-    async def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, name):
+    async def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, shape):
         outs: dict[int, StreamOutput] = {}
         offsets = [0] * (len(streams) * req.n)
         try:
             async with aclosing(read_streams(self.core, streams)) as deltas:
                 async for index, out in deltas:
-                    prefix = echoes[index // req.n] if index not in outs else ""
+                    echo = echoes[index // req.n] if index not in outs else ("", None)
                     outs[index] = out if index not in outs else outs[index].merged(out)
                     check_errors([out])
-                    if not (prefix or out.text or out.finished or out.logprobs or req.return_token_ids):
+                    if not (echo[0] or out.text or out.finished or out.logprobs or req.return_token_ids):
                         continue  # tokens whose text is held back (a character or a stop string unfinished)
-                    choice = self._choice(index, out, prefix, offsets[index], name, req.return_token_ids)
-                    offsets[index] += len(out.text)
+                    choice = shape.choice(index, out, echo, offsets[index])
+                    offsets[index] += len(echo[0]) + len(out.text)
                     yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
             if req.include_usage:
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[],
@@ -104,3 +85,36 @@ class OpenAIServingCompletion:
         except Exception as e:  # the engine failed mid-stream: tell the client, then end
             yield sse_error(e)
         yield "data: [DONE]\n\n"
+
+
+@dataclass
+class _Shape:
+    """How one request's choices look: token names, ids or not, vLLM's prompt_logprobs (top-k)."""
+    name: Callable[[int], str]
+    with_ids: bool
+    prompt_k: int | None  # None: not asked
+
+    def choice(self, index: int, out: StreamOutput, echo: tuple, text_offset: int) -> CompletionChoice:
+        return CompletionChoice(index=index, text=echo[0] + out.text,
+                                logprobs=self.logprobs(out, text_offset, echo[1]),
+                                prompt_logprobs=vllm_prompt_logprobs(out, self.prompt_k, self.name),
+                                finish_reason=out.finish_reason if out.finished else None,
+                                stop_reason=out.stop_reason if out.finished else None,
+                                token_ids=out.token_ids if self.with_ids else None)
+
+    def logprobs(self, out: StreamOutput, offset: int, echo_ids) -> CompletionLogprobs | None:
+        """The tokens' logprobs; with echo the prompt's first (the first of all has none)."""
+        if out.logprobs is None:
+            return None
+        ids, entries = out.token_ids, out.logprobs
+        if echo_ids is not None and out.prompt_logprobs is not None:
+            ids, entries = echo_ids + ids, out.prompt_logprobs + entries
+        lp = CompletionLogprobs()
+        for token, entry in zip(ids, entries):
+            text = self.name(token)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(None if entry is None else entry[token])
+            lp.top_logprobs.append(None if entry is None else {self.name(t): v for t, v in entry.items()})
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp

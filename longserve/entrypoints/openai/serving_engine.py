@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from contextlib import aclosing
 from functools import lru_cache
@@ -13,12 +14,16 @@ from pydantic import BaseModel
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.messages import EngineCoreRequest
 from longserve.engine.output_processor import EngineDeadError, EngineOverloadedError, StreamOutput
-from longserve.entrypoints.openai.protocol import OpenAIError, SamplingFields, UsageInfo
+from longserve.entrypoints.openai.protocol import (OpenAIError, PromptLogprob, SamplingFields,
+                                                   UsageInfo)
 from longserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger("longserve.server")
+_warned: set[str] = set()  # unknown fields already logged (once per name)
 
 
 def _param_of(message: str) -> str | None:
-    m = re.match(r"(\w+) must", message)
+    m = re.match(r"(\w+) (must|\[)", message)
     return m.group(1) if m else None
 
 
@@ -28,14 +33,30 @@ def check_model(requested: str | None, served: list[str]) -> None:
                           param="model", code="model_not_found")
 
 
+def check_fields(req: SamplingFields) -> None:
+    """A 400 for a field this server cannot honour; one log line for each unknown field name."""
+    refused, unknown = req.unsupported()
+    if refused in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+        raise OpenAIError(f"{refused}: no tool parser is configured for this model's chat format, so "
+                          "tool calls cannot be returned (tool_choice 'none' is accepted)", param=refused)
+    if refused:
+        raise OpenAIError(f"{refused} is not supported by this server (value "
+                          f"{req.model_extra[refused]!r})", param=refused)
+    new = sorted(set(unknown) - _warned)
+    if new:
+        _warned.update(new)
+        logger.warning("The following fields were present in the request but ignored: %s", set(new))
+
+
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    core: LLMEngine) -> SamplingParams:
+                    core: LLMEngine, prompt_logprobs: int | None = None) -> SamplingParams:
     if req.best_of not in (None, 1):
         raise OpenAIError(f"best_of must be 1 (best_of > 1 is not supported; n gives several "
                           f"choices), got {req.best_of}", param="best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise OpenAIError(f"{name} is not supported (must be 0)", param=name)
+    check_fields(req)
+    if max_tokens == 0 and prompt_logprobs is None:
+        raise OpenAIError("max_tokens must be >= 1 unless the prompt is scored (echo with logprobs, "
+                          "or prompt_logprobs)", param="max_tokens")
     so, field = structured_outputs(req)
     try:
         params = SamplingParams(
@@ -43,6 +64,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias,
             include_stop_str_in_output=req.include_stop_str_in_output,
             extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None)
     except (ValueError, TypeError) as e:
@@ -181,6 +203,24 @@ def usage(outs: list[StreamOutput]) -> UsageInfo:
     prompt = sum(o.num_prompt_tokens for o in outs if o.index == 0)
     completion = sum(o.num_output_tokens for o in outs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def vllm_prompt_logprobs(out: StreamOutput, k: int | None, name) -> list | None:
+    """The engine's prompt logprobs ([None, {target: lp, top-k...}, ...]) in vLLM's shape:
+    {token id: {logprob, rank, decoded_token}}. The target is each entry's first key; its rank
+    is known only when it is in the top k."""
+    if k is None or out.prompt_logprobs is None:
+        return None
+    shaped = []
+    for entry in out.prompt_logprobs:
+        if entry is None:
+            shaped.append(None)
+            continue
+        target = next(iter(entry))
+        ranked = [t for t in sorted(entry, key=entry.get, reverse=True) if t != target or len(entry) == k]
+        shaped.append({t: PromptLogprob(logprob=lp, rank=ranked.index(t) + 1 if t in ranked else None,
+                                        decoded_token=name(t)) for t, lp in entry.items()})
+    return shaped
 
 
 def sse(obj: BaseModel | dict) -> str:
