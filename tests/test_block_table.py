@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from longserve.worker.block_table import (BlockTable, compute_slot_mapping,
-                                          get_dcp_local_seq_lens, map_to_kernel_blocks)
+from longserve.worker.block_table import (compute_slot_mapping, get_dcp_local_seq_lens,
+                                          map_to_kernel_blocks)
 
 
 def test_contract_example_dcp2_rank1():
@@ -92,30 +92,6 @@ def test_map_to_kernel_blocks():
     assert map_to_kernel_blocks([7], 1) == [7]
 
 
-def test_block_table_rows():
-    bt = BlockTable(block_size=4, max_num_reqs=3, max_num_blocks_per_req=4)
-    bt.add_row(0, [3, 1])
-    bt.append_row(0, [8])
-    bt.add_row(1, [5])
-    assert bt.num_blocks_per_row[:2].tolist() == [3, 1]
-    assert bt.get_numpy_array()[0, :3].tolist() == [3, 1, 8]
-    bt.swap_rows(0, 1)
-    assert bt.get_numpy_array()[1, :3].tolist() == [3, 1, 8]
-    assert bt.num_blocks_per_row[:2].tolist() == [1, 3]
-    bt.move_row(1, 2)
-    assert bt.get_numpy_array()[2, :3].tolist() == [3, 1, 8]
-    bt.clear_row(1)
-    assert bt.num_blocks_per_row.tolist() == [1, 0, 3]
-    bt.add_row(0, [9])  # replaces
-    assert bt.num_blocks_per_row[0] == 1 and bt.get_numpy_array()[0, 0] == 9
-    assert bt.commit(3)[2, :3].tolist() == [3, 1, 8]
-    assert bt.get_device_tensor(3).dtype == torch.int32
-    with pytest.raises(ValueError, match="table holds"):
-        bt.append_row(2, [1, 2])
-    slots = bt.compute_slot_mapping(np.array([2, 2, 0]), np.array([0, 5, 2]))
-    assert slots.tolist() == [12, 5, 38]
-
-
 @settings(max_examples=100, deadline=None)
 @given(cp_layouts, st.sampled_from([1, 2, 4]), st.integers(0, 3),
        st.lists(st.integers(0, 40), min_size=1, max_size=5, unique=True))
@@ -123,19 +99,10 @@ def test_kernel_blocks_give_the_same_slots_as_manager_blocks(layout, k, rank_see
     W, I, kernel_B = layout
     manager_B = kernel_B * k
     rank = rank_seed % W
-    bt = BlockTable(manager_B, max_num_reqs=1, max_num_blocks_per_req=5,
-                    kernel_block_size=kernel_B, cp_world_size=W, cp_rank=rank,
-                    cp_kv_cache_interleave_size=I)
-    bt.add_row(0, blocks)
-    assert bt.num_blocks_per_row[0] == len(blocks) * k
+    kernel_table = map_to_kernel_blocks(np.array([blocks]), k)
+    assert kernel_table.shape == (1, len(blocks) * k)
     positions = np.arange(len(blocks) * manager_B * W)
     req = np.zeros_like(positions)
     expected = compute_slot_mapping(np.array([blocks]), req, positions, manager_B, W, rank, I)
-    assert bt.compute_slot_mapping(req, positions).tolist() == expected.tolist()
-
-
-def test_kernel_block_size_must_divide():
-    with pytest.raises(ValueError, match="must divide"):
-        BlockTable(16, 2, 2, kernel_block_size=6)
-    with pytest.raises(ValueError, match="interleave"):
-        BlockTable(16, 2, 2, kernel_block_size=4, cp_world_size=2, cp_kv_cache_interleave_size=8)
+    got = compute_slot_mapping(kernel_table, req, positions, kernel_B, W, rank, I)
+    assert got.tolist() == expected.tolist()

@@ -171,10 +171,6 @@ class GroupCoordinator:
         dist.gather_object(obj, out, dst=self.ranks[0], group=self.cpu_group)
         return out
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.cpu_group)
-
 
 @dataclass
 class ParallelState:

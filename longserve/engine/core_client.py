@@ -74,6 +74,12 @@ def dp_addresses(par) -> tuple[str, str, str]:
     return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", f"tcp://{host}:{port + 2}"
 
 
+def local_dp_ranks(par) -> range:
+    """The DP ranks whose cores run on this host."""
+    local = par.data_parallel_size if par.data_parallel_size_local is None else par.data_parallel_size_local
+    return range(par.data_parallel_start_rank, par.data_parallel_start_rank + local)
+
+
 @dataclass
 class _Call:
     done: threading.Event = field(default_factory=threading.Event)
@@ -161,10 +167,7 @@ class MPClient:
     def _start_local_cores(self, config: EngineConfig, addresses: CoreAddresses) -> None:
         """One process per core of this host: `python -m longserve.engine`, its
         arguments pickled on stdin (no re-import of the caller's script, unlike spawn)."""
-        par = config.parallel
-        local = par.data_parallel_size if par.data_parallel_size_local is None \
-            else par.data_parallel_size_local
-        for i, d in enumerate(range(par.data_parallel_start_rank, par.data_parallel_start_rank + local)):
+        for i, d in enumerate(local_dp_ranks(config.parallel)):
             self.procs[d] = start_core_process(core_config(config, d), d, addresses, i)
 
     def _handshake(self, timeout_s: float) -> list[dict]:
@@ -300,9 +303,7 @@ def run_headless(config: EngineConfig) -> int:
     if not par.data_parallel_rpc_port:
         raise ValueError("--headless needs --data-parallel-rpc-port (and --data-parallel-address)")
     cmd, out, dist_init = dp_addresses(par)
-    local = par.data_parallel_size if par.data_parallel_size_local is None \
-        else par.data_parallel_size_local
-    ranks = range(par.data_parallel_start_rank, par.data_parallel_start_rank + local)
+    ranks = local_dp_ranks(par)
     procs = [start_core_process(core_config(config, d), d, CoreAddresses(cmd, out, dist_init), i)
              for i, d in enumerate(ranks)]
     logger.info("headless: engine cores %s of %d connect to %s", list(ranks),

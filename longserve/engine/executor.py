@@ -183,20 +183,15 @@ class Executor:
         where = "" if self.failure.endswith(what) else f" while {what}"
         return RuntimeError(f"{self.failure}{where}; the engine cannot continue")
 
-    def _laggards(self, step: int | None = None) -> str:
-        """The workers to blame: stopped ones, else those that did not take plan `step`."""
+    def _laggards(self) -> str:
+        """The workers to blame: stopped ones, else those that did not take the current plan."""
         stopped = [r for r, p in zip(self.worker_ranks, self.procs) if process_state(p.pid) == "T"]
         if stopped:
             return ", ".join(map(str, stopped)) + " (its process is stopped)"
-        step = self._step if step is None else step
-        behind = [r for r in self.worker_ranks if self.progress and self.progress[r] < step]
+        behind = [r for r in self.worker_ranks if self.progress and self.progress[r] < self._step]
         return ", ".join(map(str, behind or self.worker_ranks))
 
     # ---- steps ------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step and wait for its results."""
-        return self.execute_async(out).result()
-
     def execute_async(self, out: SchedulerOutput) -> "PendingStep":
         """Launch one step: every rank has its plan and rank 0's kernels are queued; the
         sampled ids come back through the returned PendingStep (asynchronous scheduling)."""
@@ -206,13 +201,18 @@ class Executor:
             raise RuntimeError("the engine was shut down; build a new LLM")
         with defer_interrupt():  # a Ctrl-C lands after the step, with every rank in step
             self._step += 1
-            if self.world == 1:
-                return PendingStep(self, self._step, self.driver.execute(out, resolve=False))
+            if self.world > 1:
+                self._in_step(f"taking the plan of step {self._step}",
+                              self.driver.ps.model.broadcast_object, out)
+            output = self._in_step(f"running step {self._step}", self.driver.execute, out, False)
+            return PendingStep(self, self._step, output)
+
+    def _in_step(self, what: str, fn, *args):
+        """fn(*args) inside a launched step: a failure stops the ranks (they fell out of step)."""
+        with defer_interrupt():
             try:
-                with self._waiting_for(f"taking the plan of step {self._step}"):
-                    self.driver.ps.model.broadcast_object(out)
-                with self._waiting_for(f"running step {self._step}"):
-                    return PendingStep(self, self._step, self.driver.execute(out, resolve=False))
+                with self._waiting_for(what):
+                    return fn(*args)
             except BaseException as e:
                 self._fell_out_of_step(e)
                 raise
@@ -266,7 +266,6 @@ class Executor:
         if self._threads is not None:
             torch.set_num_threads(self._threads)
 
-
     def __del__(self):  # an engine dropped without shutdown() (the atexit hook holds no reference)
         try:
             self.shutdown()
@@ -289,24 +288,12 @@ class PendingStep:
         """A step with structured requests: sample with their grammar bitmask (rank 0 samples
         and broadcasts the ids; the other ranks wait for them inside the step)."""
         ex = self.executor
-        with defer_interrupt():
-            try:
-                with ex._waiting_for(f"sampling step {self.step}"):
-                    ex.driver.runner.sample_deferred(self.output, bitmask)
-            except BaseException as e:
-                ex._fell_out_of_step(e)
-                raise
+        ex._in_step(f"sampling step {self.step}", ex.driver.runner.sample_deferred, self.output, bitmask)
 
     def result(self) -> ModelRunnerOutput | None:
         ex = self.executor
-        with defer_interrupt():
-            try:
-                with ex._waiting_for(f"running step {self.step}"):
-                    out = None if self.output is None else self.output.resolve()
-                    return ex._aggregate(out)
-            except BaseException as e:
-                ex._fell_out_of_step(e)
-                raise
+        return ex._in_step(f"running step {self.step}",
+                           lambda: ex._aggregate(None if self.output is None else self.output.resolve()))
 
 
 @contextlib.contextmanager

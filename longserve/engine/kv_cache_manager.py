@@ -2,7 +2,7 @@
 
 The manager counts in *virtual* blocks: with context parallelism over W ranks one
 block id covers `block_size * W` tokens of a request, of which each CP rank stores
-`block_size` (see worker/block_table.py). Here that product is `tokens_per_block`.
+`block_size` (see cp_slot_mapping.py). Here that product is `tokens_per_block`.
 
 Prefix caching: a full block is named by a hash chain over its tokens
 (h_i = hash((h_{i-1}, tokens of block i))). Computed full blocks are registered
@@ -17,10 +17,6 @@ from collections import OrderedDict
 from longserve.engine.request import Request
 
 
-def hash_block_tokens(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent_hash, tokens))
-
-
 def compute_block_hashes(token_ids: list[int], tokens_per_block: int,
                          start_hashes: list[int] | None = None) -> list[int]:
     """Hashes of every full block of `token_ids`, extending `start_hashes`."""
@@ -28,7 +24,7 @@ def compute_block_hashes(token_ids: list[int], tokens_per_block: int,
     for i in range(len(hashes), len(token_ids) // tokens_per_block):
         parent = hashes[-1] if hashes else None
         block = tuple(token_ids[i * tokens_per_block:(i + 1) * tokens_per_block])
-        hashes.append(hash_block_tokens(parent, block))
+        hashes.append(hash((parent, block)))
     return hashes
 
 

@@ -127,9 +127,6 @@ class P2pConnectorScheduler:
         self._stores: dict[tuple[str, int], object] = {}
         self.num_loaded_tokens = 0
 
-    def validate_params(self, req) -> None:
-        validate_kv_transfer_params(self.config, req.kv_transfer_params, req.prompt_token_ids)
-
     # ---- consumer --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         p = request.kv_transfer_params

@@ -206,9 +206,6 @@ class TpKVTopology:
         pieces = plan_kv_pieces(self.layout, remote, self.rank)
         return sorted({p.remote_rank for p in pieces})
 
-    def get_kv_pieces(self, remote_engine_id: EngineId) -> list[KVPiece]:
-        return plan_kv_pieces(self.layout, self.remote_layout[remote_engine_id], self.rank)
-
     def tp_ratio_from_engine_id(self, remote_engine_id: EngineId) -> int:
         return self.tp_ratio(self.remote_tp_size[remote_engine_id])
 

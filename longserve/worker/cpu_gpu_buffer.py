@@ -23,8 +23,3 @@ class CpuGpuBuffer:
             return self.gpu.copy_(self.cpu, non_blocking=True)
         return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
 
-    def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
-        """Copy the first `n` rows back to the host (blocking, so `.np` is valid after)."""
-        if n is None:
-            return self.cpu.copy_(self.gpu)
-        return self.cpu[:n].copy_(self.gpu[:n])
