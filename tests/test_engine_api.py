@@ -50,7 +50,7 @@ def test_bad_prompt_is_refused_and_engine_keeps_serving(llm, prompt, message, po
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-3), "top_k"),
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
     (dict(logprobs=-1), "logprobs"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
 ])

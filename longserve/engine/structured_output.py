@@ -65,7 +65,6 @@ class StructuredOutputManager:
     def __init__(self, model: ModelConfig):
         self.model = model
         self._compiler: GrammarCompiler | None = None
-        self._batch = None  # xgrammar's threaded bitmask filler, made on first use
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiling: dict[str, tuple[Request, Future]] = {}
 
@@ -110,11 +109,11 @@ class StructuredOutputManager:
         sampling = [requests.get(r.req_id) for r in out.requests if r.sample]
         rows = [i for i, q in enumerate(sampling) if q is not None and q.grammar is not None
                 and not q.grammar.is_terminated()]
-        xgr = self._compiler.xgr
-        mask = xgr.allocate_token_bitmask(len(rows), self.model.vocab_size)
-        if rows:  # on half the host's cores (64 JSON rows, H100 host: 1.66 ms on one)
-            self._batch = self._batch or xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([sampling[i].grammar for i in rows], mask)
+        # one thread: xgrammar's BatchGrammarMatcher (8 threads) took 4.5 ms a step for 64
+        # JSON rows on an H100 host against 1.7 ms for this loop
+        mask = self._compiler.xgr.allocate_token_bitmask(len(rows), self.model.vocab_size)
+        for j, i in enumerate(rows):
+            sampling[i].grammar.fill_next_token_bitmask(mask, j)
         return mask, rows
 
     def shutdown(self) -> None:
