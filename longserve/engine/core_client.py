@@ -59,8 +59,8 @@ def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddres
     per_core = config.parallel.replica_size
     devices = (list(range(local_index * per_core, (local_index + 1) * per_core))
                if config.device == "cuda" else None)
-    # CUDA loads every kernel's module up front, not on its first launch: lazy loading put
-    # ~1 s stalls into the first light load's TTFTs (bench_serving, H100: p99 49 ms eager)
+    # CUDA loads every kernel's module up front, not on a first launch mid-serving: fewer
+    # first-use stalls in TTFT (docs/benchmarks.md, online serving)
     env = {"CUDA_MODULE_LOADING": "EAGER", **os.environ} if devices is not None else None
     proc = subprocess.Popen([sys.executable, "-m", "longserve.engine"], stdin=subprocess.PIPE, env=env)
     proc.stdin.write(pickle.dumps((config, dp_rank, addresses, devices)))
