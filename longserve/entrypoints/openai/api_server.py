@@ -28,7 +28,7 @@ from longserve.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    OpenAIError, TokenizeRequest)
 from longserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from longserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from longserve.entrypoints.openai.serving_engine import check_model
+from longserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("longserve.server")
 
@@ -42,6 +42,7 @@ class ServerState:
     load_error: str | None = None
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
+    tokenization: OpenAIServingTokenization | None = None
     registry: object = field(default=None)
     log_requests: bool = False
 
@@ -78,6 +79,7 @@ async def _load(state: ServerState, load_core, on_load_error) -> None:
         core = await asyncio.to_thread(load_core)
         state.completion = OpenAIServingCompletion(core, state.served_names)
         state.chat = OpenAIServingChat(core, state.served_names, state.chat_template)
+        state.tokenization = OpenAIServingTokenization(state.chat, state.served_names)
         core.log_requests = state.log_requests
         state.core = core
         for line in banner(core.info()):
@@ -177,28 +179,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
-        check_model(body.model, state.served_names)
-        if (body.prompt is None) == (body.messages is None):
-            raise OpenAIError("give either prompt or messages", param="prompt")
-        try:
-            if body.messages is None:
-                ids = state.core.encode(body.prompt, body.add_special_tokens is not False)
-            else:  # rendered by the chat template, which writes the special tokens itself
-                rendered = state.chat.render(body)
-                ids = (state.core.encode(rendered["prompt"]) if body.add_special_tokens
-                       else rendered["prompt_token_ids"])
-        except ValueError as e:
-            raise OpenAIError(str(e), param="prompt") from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.core.config.scheduler.max_model_len}
+        return state.tokenization.tokenize(body)
 
     @app.post("/detokenize", dependencies=v1)
     async def detokenize(body: DetokenizeRequest):
-        check_model(body.model, state.served_names)
-        try:
-            state.core.check_prompt(body.tokens)  # in the vocabulary
-        except ValueError as e:
-            raise OpenAIError(str(e), param="tokens") from None
-        return {"prompt": state.core.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return state.tokenization.detokenize(body)
 
 
 def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host: str = "127.0.0.1",
