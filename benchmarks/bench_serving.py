@@ -134,16 +134,36 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int, de
     return dict(sent=sent, ttft=times[0] - sent, itl=itl, done=times[-1], tokens=sum(counts))
 
 
-async def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, seed: int) -> dict:
+async def send_all(url: str, model: str, prompts: list, max_tokens: int, delays, t0: float) -> list:
     import httpx
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        return await asyncio.gather(*[one_request(client, model, p, max_tokens, d, t0)
+                                      for p, d in zip(prompts, delays)])
+
+
+def client_part(*args) -> list:  # in a client process of its own
+    return asyncio.run(send_all(*args))
+
+
+def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, seed: int,
+             procs: int = 1) -> dict:
+    """procs > 1: the requests go from that many client processes (every k-th request each,
+    on one clock: perf_counter is system-wide), so parsing the SSE stream is not one core's."""
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
     delays = np.cumsum(gaps) - gaps[0]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*[one_request(client, model, p, max_tokens, d, t0)
-                                     for p, d in zip(prompts, delays)])
+    if procs == 1:
+        res = client_part(url, model, prompts, max_tokens, delays, time.perf_counter())
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+        t0 = time.perf_counter() + 2.0  # the clients start first
+        with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
+            parts = [pool.submit(client_part, url, model, prompts[k::procs], max_tokens, delays[k::procs], t0)
+                     for k in range(procs)]
+            parts = [p.result() for p in parts]
+        res = [parts[i % procs][i // procs] for i in range(len(prompts))]
     assert all(r["tokens"] == max_tokens for r in res), "a request came back short"
     span = max(r["done"] for r in res) - min(r["sent"] for r in res)
     ttft = np.array([r["ttft"] for r in res])
@@ -161,11 +181,11 @@ async def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: f
 def sweep(args, model: str, vocab: int, url: str) -> list[dict]:
     n = args.num_prompts
     warm = random_prompts(vocab, n, args.input_len, 7)  # the same batch shapes as the timed runs
-    asyncio.run(run_rate(url, model, warm, 8, float("inf"), 0))
+    run_rate(url, model, warm, 8, float("inf"), 0, args.client_procs)
     rows = []
     for i, rate in enumerate(float(r) for r in args.rates.split(",")):
         prompts = random_prompts(vocab, n, args.input_len, 100 + i)  # no prefix-cache hits
-        rows.append(asyncio.run(run_rate(url, model, prompts, args.output_len, rate, i)))
+        rows.append(run_rate(url, model, prompts, args.output_len, rate, i, args.client_procs))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -226,6 +246,7 @@ def main() -> None:
     ap.add_argument("--out", default="serving.json", help="JSON results (the plot goes next to it)")
     ap.add_argument("--url", default=None, help="an already running server (skips starting one)")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--client-procs", type=int, default=1, help="client processes sending the requests")
     ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
     args, extra = ap.parse_known_args()
     extra = [x for x in extra if x != "--"]
