@@ -18,12 +18,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_serving import start_server  # noqa: E402
 
-from longserve.engine.executor import free_port
-from longserve.models.builtin import resolve_model
+from longserve.engine.executor import free_port  # noqa: E402
+from longserve.models.builtin import resolve_model  # noqa: E402
 
 TASK = "longserve_mc"
 
@@ -33,23 +33,6 @@ def tokenizer_folder(gguf: str, folder: str) -> str:
     from transformers import AutoTokenizer
     AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(folder)
     return folder
-
-
-def serve(gguf: str, port: int, log) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "longserve.entrypoints.cli", "serve", gguf,
-                             "--served-model-name", "smollm2", "--device", "cpu", "--dtype", "float32",
-                             "--port", str(port), "--uvicorn-log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not start (see its log)")
 
 
 def lm_eval(exe: str, model: str, model_args: str, out: str) -> dict:
@@ -83,7 +66,8 @@ def main() -> None:
         tok = tokenizer_folder(gguf, f"{tmp}/tokenizer")
         port = free_port()
         with open(f"{tmp}/server.log", "w") as log:
-            server = serve(gguf, port, log)
+            server = start_server([gguf, "--served-model-name", "smollm2", "--device", "cpu",
+                                   "--dtype", "float32"], port, 300, log)
             try:
                 ours = lm_eval(args.lm_eval, "local-completions",
                                f"model=smollm2,base_url=http://127.0.0.1:{port}/v1/completions,"

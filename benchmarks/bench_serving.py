@@ -92,10 +92,11 @@ def decode_step_time(llm, vocab: int, ctx: int) -> float:
 
 
 # ---- the server ----------------------------------------------------------------------
-def start_server(extra: list[str], port: int, timeout: float) -> subprocess.Popen:
+def start_server(extra: list[str], port: int, timeout: float, log=None) -> subprocess.Popen:
+    """`longserve serve` with these flags, once /health answers 200 (its output to `log`)."""
     cmd = [sys.executable, "-m", "longserve.entrypoints.cli", "serve", *extra, "--port", str(port),
            "--max-waiting", "1000000", "--uvicorn-log-level", "warning"]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     import httpx
     deadline = time.monotonic() + timeout
     while True:

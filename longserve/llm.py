@@ -116,12 +116,7 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
                       enable_prefix_caching=enable_prefix_caching,
                       enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                       enable_sequence_parallel=enable_sequence_parallel)
-    model_cfg = model_config(resolve_model(model, seed))
-    if tokenizer is not None:
-        if not (os.path.isdir(tokenizer) or (tokenizer.endswith(".gguf") and os.path.isfile(tokenizer))):
-            raise FileNotFoundError(f"tokenizer {tokenizer!r} is neither a folder (with "
-                                    "tokenizer.json) nor a .gguf file")
-        model_cfg.tokenizer = tokenizer
+    model_cfg = model_with_tokenizer(model, seed, tokenizer)
     if dtype == "auto":
         dtype = torch.float32 if device == "cpu" else (
             torch.bfloat16 if model_cfg.checkpoint_dtype == torch.float32 else model_cfg.checkpoint_dtype)
@@ -147,6 +142,17 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
         raise ValueError("KV transfer and kv_offload_gb run with data_parallel_size=1 for now")
     return EngineConfig(model_cfg, cache, parallel, sched, parse_dtype(dtype), device,
                         enforce_eager, seed, attention_backend, load_format, kv_transfer)
+
+
+def model_with_tokenizer(model: str, seed: int, tokenizer: str | None):
+    """The model's config; `tokenizer` (a folder with tokenizer.json, or a .gguf) overrides its own."""
+    model_cfg = model_config(resolve_model(model, seed))
+    if tokenizer is not None:
+        if not (os.path.isdir(tokenizer) or (tokenizer.endswith(".gguf") and os.path.isfile(tokenizer))):
+            raise FileNotFoundError(f"tokenizer {tokenizer!r} is neither a folder (with "
+                                    "tokenizer.json) nor a .gguf file")
+        model_cfg.tokenizer = tokenizer
+    return model_cfg
 
 
 def validate_dp_hosts(p: ParallelConfig) -> None:
