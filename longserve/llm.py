@@ -136,12 +136,16 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
                             max_model_len, enable_chunked_prefill,
                             resolve_async_scheduling(async_scheduling, parallel, kv_transfer))
-    if kv_transfer.kv_offload_bytes and not enable_prefix_caching:
-        raise ValueError("kv_offload_gb needs prefix caching (drop --no-enable-prefix-caching)")
-    if (kv_transfer.kv_offload_bytes or kv_transfer.kv_role) and data_parallel_size > 1:
-        raise ValueError("KV transfer and kv_offload_gb run with data_parallel_size=1 for now")
+    check_kv_transfer_fits(kv_transfer, enable_prefix_caching, data_parallel_size)
     return EngineConfig(model_cfg, cache, parallel, sched, parse_dtype(dtype), device,
                         enforce_eager, seed, attention_backend, load_format, kv_transfer)
+
+
+def check_kv_transfer_fits(kv_transfer: KVTransferConfig, prefix_caching: bool, dp_size: int) -> None:
+    if kv_transfer.kv_offload_bytes and not prefix_caching:
+        raise ValueError("kv_offload_gb needs prefix caching (drop --no-enable-prefix-caching)")
+    if (kv_transfer.kv_offload_bytes or kv_transfer.kv_role) and dp_size > 1:
+        raise ValueError("KV transfer and kv_offload_gb run with data_parallel_size=1 for now")
 
 
 def model_with_tokenizer(model: str, seed: int, tokenizer: str | None):
