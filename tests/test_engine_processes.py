@@ -1,8 +1,8 @@
 """The engine core in a process of its own (one per DP rank): the same tokens as the engine in
 this process, through `LLM.generate` and through the server (openai client); faults: a killed
 core fails its streams within seconds and /health turns 503, a dense DP server goes on serving
-with the cores it has left, SIGTERM leaves no process, a killed front end takes its cores with
-it; data parallelism over two "hosts" on loopback (`--headless`)."""
+with the cores it has left, SIGTERM leaves no process (a killed front end: test_shutdown.py);
+data parallelism over two "hosts" on loopback (`--headless`)."""
 import json
 import os
 import signal
@@ -19,7 +19,7 @@ from conftest import assert_pool_whole
 from longserve import LLM, SamplingParams
 from longserve.engine.core_client import InprocClient, MPClient
 from longserve.engine.executor import free_port
-from server_utils import Server, descendants, gone, wait_gone
+from server_utils import Server, descendants, wait_gone
 
 MODEL = "builtin:llama-tiny"
 ENGINE = dict(device="cpu", max_model_len=256)
@@ -181,30 +181,3 @@ def test_two_hosts_on_loopback_give_one_ranks_tokens(tmp_path):
         if headless.poll() is None:
             headless.kill()
             headless.wait()
-
-
-FRONT_END = """
-import os, sys, time
-from longserve import LLM
-llm = LLM("builtin:llama-tiny", device="cpu", max_model_len=256, tensor_parallel_size=2)
-print("ready", flush=True)
-time.sleep(600)
-"""
-
-
-@pytest.mark.timeout(120)
-def test_a_killed_front_end_takes_its_cores_with_it(tmp_path):
-    script = tmp_path / "front.py"
-    script.write_text(FRONT_END)
-    env = dict(os.environ, LONGSERVE_ENABLE_MULTIPROCESSING="1")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        tree = descendants(proc.pid)
-        assert len(tree) >= 2  # the engine core and its tp rank 1 worker
-        proc.kill()
-        proc.wait()
-        assert wait_gone(tree), [p for p in tree if not gone(p)]
-    finally:
-        if proc.poll() is None:
-            proc.kill()

@@ -11,12 +11,17 @@ untouched and never touch torch.distributed, so one rank needs no process group.
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from longserve.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 5.0  # closing the groups with every rank present takes well under a second
 
 
 @dataclass(frozen=True)
@@ -211,3 +216,35 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
             if rank in ranks:
                 mine[kind] = GroupCoordinator(ranks, rank, device_group, cpu_group)
     return ParallelState(layout, **mine)
+
+
+def close_process_groups(peers_present: bool) -> None:
+    """Free every process group of this process (the default one and its sub-groups).
+
+    Tearing down an NCCL communicator is collective in NCCL versions in use (it waits for
+    its peers), so with every rank still here each rank calls this right after the goodbye
+    (the driver's SHUTDOWN): they close together. Where a peer has already gone (a crash, a
+    killed worker) a destroy would wait for it forever: abort instead, which is local. gloo
+    closes its sockets either way. Bounded: a close that hangs is logged and left behind
+    (the process is about to end)."""
+    if not dist.is_initialized():
+        return
+    nccl = dist.get_backend() == "nccl"
+    close = (dist.destroy_process_group if peers_present or not nccl
+             else dist.distributed_c10d._abort_process_group)
+    errors: list[BaseException] = []
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def run():
+        try:
+            if device is not None:  # a new thread starts on device 0
+                torch.cuda.set_device(device)
+            close()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    closer = threading.Thread(target=run, name="longserve-close-groups", daemon=True)
+    closer.start()
+    closer.join(CLOSE_TIMEOUT_S)
+    if closer.is_alive() or errors:
+        logger.warning("closing the process groups %s", f"failed: {errors[0]}" if errors
+                       else f"did not finish within {CLOSE_TIMEOUT_S:g} s; left behind")

@@ -52,18 +52,38 @@ def core_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
     return replace(config, parallel=par)
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, in the caller's order (CUDA_VISIBLE_DEVICES: indices or
+    UUIDs), else every GPU of the host."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def core_gpus(config: EngineConfig, num_local_cores: int) -> list[list[str]] | None:
+    """Each local engine core's GPUs: core i takes the i-th run of replica_size of the visible
+    ones. A layout that needs more than are visible is refused before anything starts."""
+    if config.device != "cuda":
+        return None
+    per_core, visible = config.parallel.replica_size, visible_gpus()
+    need = per_core * num_local_cores
+    if need > len(visible):
+        raise ValueError(f"this layout needs {need} GPUs on this host ({num_local_cores} engine "
+                         f"core(s) x {per_core} ranks) but {len(visible)} are visible "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    return [visible[i * per_core:(i + 1) * per_core] for i in range(num_local_cores)]
+
+
 def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddresses,
-                       local_index: int) -> subprocess.Popen:
-    """Start DP rank `dp_rank`'s engine core; on CUDA it sees its own GPUs only (this host's
-    local_index-th run of replica_size devices)."""
-    per_core = config.parallel.replica_size
-    devices = (list(range(local_index * per_core, (local_index + 1) * per_core))
-               if config.device == "cuda" else None)
+                       gpus: list[str] | None) -> subprocess.Popen:
+    """Start DP rank `dp_rank`'s engine core; on CUDA it sees its own GPUs only."""
     # CUDA loads every kernel's module up front, not on a first launch mid-serving: fewer
     # first-use stalls in TTFT (docs/benchmarks.md, online serving)
-    env = {"CUDA_MODULE_LOADING": "EAGER", **os.environ} if devices is not None else None
+    env = {"CUDA_MODULE_LOADING": "EAGER", **os.environ} if gpus is not None else None
     proc = subprocess.Popen([sys.executable, "-m", "longserve.engine"], stdin=subprocess.PIPE, env=env)
-    proc.stdin.write(pickle.dumps((config, dp_rank, addresses, devices)))
+    proc.stdin.write(pickle.dumps((config, dp_rank, addresses, gpus)))
     proc.stdin.close()
     return proc
 
@@ -167,8 +187,11 @@ class MPClient:
     def _start_local_cores(self, config: EngineConfig, addresses: CoreAddresses) -> None:
         """One process per core of this host: `python -m longserve.engine`, its
         arguments pickled on stdin (no re-import of the caller's script, unlike spawn)."""
-        for i, d in enumerate(local_dp_ranks(config.parallel)):
-            self.procs[d] = start_core_process(core_config(config, d), d, addresses, i)
+        ranks = local_dp_ranks(config.parallel)
+        gpus = core_gpus(config, len(ranks))
+        for i, d in enumerate(ranks):
+            self.procs[d] = start_core_process(core_config(config, d), d, addresses,
+                                               gpus and gpus[i])
 
     def _handshake(self, timeout_s: float) -> list[dict]:
         """Wait for every core's `ready` (what it holds), failing fast if one fails or dies."""
@@ -279,11 +302,15 @@ class MPClient:
         _live.discard(self)
 
     def _stop_processes(self, timeout: float) -> None:
+        """Wait for the cores to exit by themselves (in seconds: they say goodbye to their
+        workers, see Executor.shutdown); `timeout`, longer than any wait inside a core, is the
+        last resort for a stuck one."""
         deadline = time.monotonic() + timeout
-        for p in self.procs.values():
+        for d, p in self.procs.items():
             try:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
+                logger.warning("engine core %d did not exit within %.0f s; killing it", d, timeout)
                 p.kill()
                 p.wait(timeout=5)
 
@@ -304,8 +331,9 @@ def run_headless(config: EngineConfig) -> int:
         raise ValueError("--headless needs --data-parallel-rpc-port (and --data-parallel-address)")
     cmd, out, dist_init = dp_addresses(par)
     ranks = local_dp_ranks(par)
-    procs = [start_core_process(core_config(config, d), d, CoreAddresses(cmd, out, dist_init), i)
-             for i, d in enumerate(ranks)]
+    gpus = core_gpus(config, len(ranks))
+    procs = [start_core_process(core_config(config, d), d, CoreAddresses(cmd, out, dist_init),
+                                gpus and gpus[i]) for i, d in enumerate(ranks)]
     logger.info("headless: engine cores %s of %d connect to %s", list(ranks),
                 par.data_parallel_size, cmd)
 

@@ -52,7 +52,7 @@ class EngineCoreProc:
         self.index = core.engine_index
         self.lockstep = core.config.dp_lockstep
         self.wave, self.wave_running = 0, False
-        self.stopping = False
+        self.stopping = self.stop_after_wave = False
 
     def run(self) -> None:
         while not self.stopping:
@@ -98,7 +98,13 @@ class EngineCoreProc:
             if payload >= self.wave:  # an older wave already ended here
                 self.wave, self.wave_running = payload, True
         elif kind == SHUTDOWN:
-            self.stopping = True
+            if self.lockstep and self.wave_running:
+                # the other cores are inside this wave's collectives: end it with them (every
+                # core gets SHUTDOWN, drops its requests, and the wave's end check agrees)
+                self.core.abort_requests(list(self.core.scheduler.requests))
+                self.stop_after_wave = True
+            else:
+                self.stopping = True
 
     def _call(self, call_id: int, method: str, args: list) -> UtilityResult:
         if method.startswith("_") or not callable(getattr(self.core, method, None)):
@@ -114,6 +120,7 @@ class EngineCoreProc:
             return []
         outputs = self.core.drain()  # this iteration's dummy step
         self.wave_running, self.wave = False, self.wave + 1
+        self.stopping = self.stop_after_wave
         if self.index == 0:
             self.emit(EngineCoreOutputs(self.index, wave_finished=self.wave - 1))
         return outputs
@@ -121,13 +128,13 @@ class EngineCoreProc:
 
 # ---- the process --------------------------------------------------------------------------
 def run_engine_core(config: EngineConfig, engine_index: int, addresses: CoreAddresses,
-                    device_ids: list[int] | None = None) -> None:
+                    gpus: list[str] | None = None) -> None:
     """Entry of an engine-core process (spawned by the front end, or by a headless host)."""
     import zmq
 
     from longserve.worker.worker import exit_with_parent
-    if device_ids is not None:  # before anything touches CUDA: this core's GPUs only
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
+    if gpus is not None:  # before anything touches CUDA: this core's GPUs only
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     signal.signal(signal.SIGTERM, _raise_system_exit)
     exit_with_parent()

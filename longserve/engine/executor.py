@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longserve.config import EngineConfig
+from longserve.distributed.parallel_state import close_process_groups
 from longserve.kv_transfer.utils import KVOutputAggregator
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
@@ -88,6 +89,8 @@ class Executor:
         self._closing, self._step, self._waiting = False, 0, None
         self._threads, self._owns_groups = None, False
         self._torchrun = self.world > 1 and launched_by_torchrun()
+        if config.device == "cuda" and not self._torchrun:
+            check_visible_gpus(config.parallel.replica_size)
         if self.world > 1 and not self._torchrun:
             make_room_for_process_group()
         self._threads = torch.get_num_threads()  # the driver's, restored at shutdown
@@ -234,33 +237,36 @@ class Executor:
         return self.kv_aggregator.aggregate(self.driver.ps.model.gather_object(result))
 
     def shutdown(self) -> None:
-        """Stop the workers and free the groups, ports and memory. Idempotent; bounded by
-        min(timeout, 10 s) for the workers to leave, then they are killed."""
+        """Stop the workers and free the groups, ports and memory. Idempotent. The goodbye:
+        SHUTDOWN to every rank, then all ranks close their process groups together (NCCL's
+        teardown is collective) and the workers exit by themselves; one still there after
+        min(timeout, 10 s) is killed (the last resort)."""
         if self._closing:
             return
         self._closing = True
+        goodbye = False
         if self.world > 1 and self.failure is None and self.driver is not None:
             try:
                 self.driver.ps.model.broadcast_object(SHUTDOWN)
+                goodbye = True
             except Exception:
                 pass
-            deadline = time.monotonic() + min(self.timeout, 10.0)
-            for p in self.procs:
-                p.join(timeout=max(deadline - time.monotonic(), 0.01))
-        self._teardown()
+        self._teardown(peers_present=goodbye)
 
-    def _teardown(self) -> None:
+    def _teardown(self, peers_present: bool = False) -> None:
+        """Without every rank present (a failure, a failed start) the workers are killed first
+        and the groups aborted: nothing waits for a rank that is gone."""
         self._closing = True
         _live.discard(self)
         watchdog = getattr(self, "_watchdog", None)
         if watchdog is not None and watchdog is not threading.current_thread():
             watchdog.join(timeout=2)
-        kill_and_reap(self.procs)
-        if self._owns_groups and dist.is_initialized():
-            try:
-                dist.destroy_process_group()  # the default group and every sub-group
-            except Exception as e:
-                logger.warning("destroying the process groups failed: %s", e)
+        if not peers_present:
+            kill_and_reap(self.procs)
+        if self._owns_groups:
+            close_process_groups(peers_present)
+        if peers_present:
+            reap(self.procs, min(self.timeout, 10.0))
         if self.driver is not None:
             self.driver.close()
         if self._threads is not None:
@@ -327,6 +333,28 @@ def kill_and_reap(procs: list) -> None:
             p.kill()
     for p in procs:
         p.join(timeout=5)
+
+
+def reap(procs: list, timeout_s: float) -> None:
+    """Wait for the workers to exit by themselves; kill (and name) any still there after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 0.01))
+    failed = [(p.pid, p.exitcode) for p in procs if p.exitcode not in (0, None)]
+    if failed:
+        logger.warning("worker processes exited with an error (pid, exit code): %s", failed)
+    stuck = [p for p in procs if p.exitcode is None]
+    if stuck:
+        logger.warning("worker processes %s did not exit within %.0f s; killing them",
+                       [p.pid for p in stuck], timeout_s)
+        kill_and_reap(stuck)
+
+
+def check_visible_gpus(need: int) -> None:
+    have = torch.cuda.device_count()
+    if need > have:
+        raise ValueError(f"this layout needs {need} GPUs but {have} are visible (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
 def make_room_for_process_group() -> None:

@@ -303,6 +303,7 @@ class P2pConnectorWorker:
             except Exception:  # noqa: BLE001 - the store is gone: the thread has ended
                 pass
             self.server.join(timeout=self.kvt.kv_transfer_timeout_s + 5)
+        self.groups.close()
 
     # ---- producer ------------------------------------------------------------------------
     def _let_go(self, req_id: str, h: Held) -> bool:

@@ -84,6 +84,15 @@ class PairGroups:
                 self.setup_s += time.perf_counter() - t0
         return group
 
+    def close(self) -> None:
+        """Abort every pair group: the other engine of a pair does not close with this one,
+        and a graceful NCCL teardown would wait for it."""
+        with self._lock:
+            groups, self.groups = list(self.groups.values()), {}
+        for group in groups:
+            if self.device.type == "cuda":
+                group.abort()
+
     def drop(self, key: str) -> None:
         with self._lock:
             self.groups.pop(key, None)

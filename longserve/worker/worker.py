@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from longserve.config import EngineConfig
-from longserve.distributed.parallel_state import build_parallel_state
+from longserve.distributed.parallel_state import build_parallel_state, close_process_groups
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from longserve.worker.piecewise_graphs import piecewise_pool_bytes
@@ -29,9 +29,11 @@ JOIN_TIMEOUT_S = 60.0  # the least time a spawned process gets to start and join
 def rendezvous(init_method: str, rank: int, world: int, timeout_s: float,
                alive_check: Callable[[], None] | None = None) -> dist.Store:
     """The TCP store every rank joins (rank 0 hosts it). Each other rank says hello; rank 0
-    waits for the hellos in one-second rounds and calls `alive_check` between them, so a rank
-    that dies before joining fails start-up at once instead of after the whole timeout. Joining
-    may take JOIN_TIMEOUT_S even with a shorter timeout: a new process imports torch first."""
+    polls for the hellos (a non-blocking check every 50 ms: a blocking wait with a short
+    timeout makes c10d log a warning each time it expires) and calls `alive_check` between
+    polls, so a rank that dies before joining fails start-up at once instead of after the
+    whole timeout. Joining may take JOIN_TIMEOUT_S even with a shorter timeout: a new
+    process imports torch first."""
     url = urlparse(init_method)
     store = dist.TCPStore(url.hostname, url.port, world, is_master=rank == 0,
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
@@ -40,15 +42,13 @@ def rendezvous(init_method: str, rank: int, world: int, timeout_s: float,
         return store
     join_s = max(timeout_s, JOIN_TIMEOUT_S)
     keys, deadline = [f"hello/{r}" for r in range(1, world)], time.monotonic() + join_s
-    while True:
+    while not store.check(keys):
         if alive_check is not None:
             alive_check()
-        try:
-            store.wait(keys, datetime.timedelta(seconds=1))
-            return store
-        except RuntimeError as e:  # DistStoreError: not all there yet
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the workers did not join within {join_s:.0f} s") from e
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the workers did not join within {join_s:.0f} s")
+        time.sleep(0.05)
+    return store
 
 
 def limit_cpu_threads(local_ranks: int) -> None:
@@ -64,7 +64,7 @@ def limit_cpu_threads(local_ranks: int) -> None:
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
                  local_rank: int | None = None, alive_check: Callable[[], None] | None = None):
-        self.config, self.rank = config, rank
+        self.config, self.rank, self.store = config, rank, None
         world = config.parallel.world_size
         limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if config.device == "cuda":
@@ -78,7 +78,10 @@ class Worker:
             timeout = config.parallel.distributed_timeout_s
             where = dict(init_method=init_method)
             if init_method.startswith("tcp://"):  # spawned here; torchrun's env:// joins as is
-                where = dict(store=rendezvous(init_method, rank, world, timeout, alive_check))
+                # kept until close(): rank 0 hosts it, and the others may use it while the
+                # groups close
+                self.store = rendezvous(init_method, rank, world, timeout, alive_check)
+                where = dict(store=self.store)
             dist.init_process_group("nccl" if config.device == "cuda" else "gloo", rank=rank,
                                     world_size=world, timeout=datetime.timedelta(seconds=timeout),
                                     **where)
@@ -138,7 +141,7 @@ class Worker:
         and the process groups (they hold the rendezvous store and its port)."""
         if self.runner is not None and hasattr(self.runner.kv_connector, "close"):
             self.runner.kv_connector.close()
-        self.runner = self.ps = None
+        self.runner = self.ps = self.store = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -171,13 +174,13 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
         worker = Worker(config, rank, init_method, local_rank)
         worker.init_cache(worker.determine_num_blocks())
         run_worker_loop(worker, progress)
-        if worker.runner.kv_connector is not None:
-            worker.runner.kv_connector.close()  # its threads end before the process does
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # peers see the closed connection at once instead of waiting for a timeout
-    dist.destroy_process_group()
+    # the goodbye: every rank closes its groups now, together (NCCL's teardown is collective)
+    close_process_groups(peers_present=True)
+    worker.close()  # the KV connector's threads end before the process does
 
 
 def run_worker_loop(worker: Worker, progress=None) -> None:
