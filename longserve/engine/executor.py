@@ -263,12 +263,14 @@ class Executor:
             watchdog.join(timeout=2)
         if not peers_present:
             kill_and_reap(self.procs)
+        if self.driver is not None:  # first: NCCL frees a communicator once no CUDA graph holds it
+            self.driver.close()
         if self._owns_groups:
             close_process_groups(peers_present)
+        if self.driver is not None:
+            self.driver.store = None  # rank 0 hosts the rendezvous store: its port is free again
         if peers_present:
             reap(self.procs, min(self.timeout, 10.0))
-        if self.driver is not None:
-            self.driver.close()
         if self._threads is not None:
             torch.set_num_threads(self._threads)
 

@@ -137,11 +137,16 @@ class Worker:
         return result.resolve() if resolve and result is not None else result
 
     def close(self) -> None:
-        """Drop the model, KV cache and graphs so the device memory is free for the next engine,
-        and the process groups (they hold the rendezvous store and its port)."""
+        """Drop the model, KV cache and graphs so the device memory is free for the next engine
+        (and no graph holds an NCCL communicator: see close_process_groups)."""
         if self.runner is not None and hasattr(self.runner.kv_connector, "close"):
             self.runner.kv_connector.close()
-        self.runner = self.ps = self.store = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no replay in flight while its graph goes
+        if self.runner is not None:  # the graphs go now even if something still holds the runner
+            self.runner.graphs.clear()
+            self.runner.piecewise = None
+        self.runner = self.ps = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -178,9 +183,11 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # peers see the closed connection at once instead of waiting for a timeout
-    # the goodbye: every rank closes its groups now, together (NCCL's teardown is collective)
+    # the goodbye: the model and its CUDA graphs go first (NCCL's teardown of a communicator
+    # waits until no graph that captured it is left), then every rank closes its groups now,
+    # together (that teardown is collective)
+    worker.close()
     close_process_groups(peers_present=True)
-    worker.close()  # the KV connector's threads end before the process does
 
 
 def run_worker_loop(worker: Worker, progress=None) -> None:
