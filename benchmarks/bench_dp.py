@@ -7,7 +7,9 @@
          fast) at several batch sizes, decode throughput (decode-only steps: tokens / time in
          the step) for each layout: tp=2; dp=2 + expert parallelism; the same with
          dual-batch overlap. The crossovers (smallest batch where dp2+EP beats tp2, where DBO
-         beats no DBO) are printed.
+         beats no DBO) are printed. Each row has its bytes floor (what one GPU must read in
+         a decode step at --bw bytes/s: the experts the batch hits, the dense weights, the KV
+         at the mean context) and step / floor.
 
 Prints a markdown table and one JSON line per measurement. On a CPU (tiny models) it only
 checks that everything runs:
@@ -72,15 +74,39 @@ def run_one(path: str, args, n: int, **layout) -> dict:
                         use_tqdm=False)
     elapsed = time.perf_counter() - t
     per_core = decode_steps(llm, since)
+    model, elem = llm.config.model, llm.config.dtype.itemsize
     llm.shutdown()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     dec = [step for steps in per_core for step in steps]
     # the cores step side by side: decode tokens/s is the sum of each core's rate
     dec_tok_s = sum(sum(x[0] for x in steps) / sum(x[1] for x in steps) for steps in per_core if steps)
-    return dict(layout=layout_name(layout), batch=n, elapsed_s=round(elapsed, 3),
-                output_tok_s=round(n_out / elapsed, 1),
-                decode_tok_s=round(dec_tok_s, 1) if dec else None,
-                decode_step_ms=round(1e3 * float(np.median([x[1] for x in dec])), 2) if dec else None)
+    row = dict(layout=layout_name(layout), batch=n, elapsed_s=round(elapsed, 3),
+               output_tok_s=round(n_out / elapsed, 1),
+               decode_tok_s=round(dec_tok_s, 1) if dec else None,
+               decode_step_ms=round(1e3 * float(np.median([x[1] for x in dec])), 2) if dec else None)
+    if model.is_moe:
+        floor, hit = bytes_floor(model, layout, n, args.input_len + args.output_len / 2, elem)
+        floor_ms = 1e3 * floor / args.bw
+        row.update(experts_hit=round(hit, 1), floor_ms=round(floor_ms, 3),
+                   step_over_floor=round(row["decode_step_ms"] / floor_ms, 2) if dec else None)
+    return row
+
+
+def bytes_floor(m, layout: dict, n: int, ctx: float, elem: int) -> tuple[float, float]:
+    """(bytes one GPU reads in a decode step of n sequences of ctx tokens, experts hit a layer).
+    n * top_k routings hit E * (1 - (1 - 1/E)^(n k)) experts, a 1 / (tp * dp) share of them
+    on each GPU (EP: whole experts; else a slice of every expert's width); attention and the
+    LM head split over TP (whole on each DP rank); the KV of its DP rank's sequences, its heads."""
+    tp, dp = layout.get("tensor_parallel_size", 1), layout.get("data_parallel_size", 1)
+    e, h = m.num_experts, m.hidden_size
+    hit = e * (1 - (1 - 1 / e) ** (n * m.num_experts_per_tok))
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    moe = len(m.moe_layers)
+    weights = (moe * hit * 3 * h * m.moe_intermediate_size / (tp * dp)
+               + (m.num_layers - moe) * 3 * h * m.intermediate_size / tp
+               + m.num_layers * ((2 * h * q + 2 * h * kv) / tp + e * h) + m.vocab_size * h / tp)
+    kv_bytes = n / dp * ctx * m.num_layers * 2 * kv / min(tp, m.num_kv_heads)
+    return (weights + kv_bytes) * elem, hit
 
 
 def layout_name(layout: dict) -> str:
@@ -147,6 +173,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--dbo-decode-threshold", type=int, default=32)
+    p.add_argument("--bw", type=float, default=3.35e12, help="HBM bytes/s for the floor (H100)")
     p.add_argument("--with-tp-dbo", action="store_true", help="also tp=2 with DBO")
     args = p.parse_args()
     rows = bench_dense(args) if args.mode == "dense" else bench_moe(args)

@@ -12,6 +12,7 @@ import torch
 from conftest import assert_pool_whole
 from hf_models import VOCAB, make_hf_model
 from longserve import LLM, SamplingParams
+from longserve.models.moe import DISPATCH_ENV
 
 LENGTHS = (5, 17, 33, 40, 9, 3)
 DBO_SMALL = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
@@ -52,14 +53,19 @@ def assert_same(outs, ref):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch,layout", [
-    ("qwen3", dict(data_parallel_size=2)),
-    ("qwen3_moe", dict(data_parallel_size=2)),  # experts split by width over the 2 DP ranks
-    ("qwen3_moe", dict(data_parallel_size=2, enable_expert_parallel=True)),
-    ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True, **DBO_SMALL)),
-], ids=["dense", "moe-tp-experts", "moe-ep", "mixtral-ep-dbo"])
-def test_dp2_matches_one_rank(models, arch, layout):
+@pytest.mark.parametrize("arch,layout,dispatch", [
+    ("qwen3", dict(data_parallel_size=2), None),
+    ("mixtral", dict(tensor_parallel_size=2), None),  # experts split by width over TP
+    ("qwen3_moe", dict(data_parallel_size=2), None),  # experts split by width over the 2 DP ranks
+    ("qwen3_moe", dict(data_parallel_size=2, enable_expert_parallel=True), None),
+    ("qwen3_moe", dict(data_parallel_size=2, enable_expert_parallel=True), "all_to_all"),
+    ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True, **DBO_SMALL), None),
+    ("mixtral", dict(data_parallel_size=2, enable_expert_parallel=True, **DBO_SMALL), "all_to_all"),
+], ids=["dense", "mixtral-tp2", "moe-tp-experts", "moe-ep", "moe-ep-a2a", "mixtral-ep-dbo", "mixtral-ep-dbo-a2a"])
+def test_dp2_matches_one_rank(models, arch, layout, dispatch, monkeypatch):
     ref, _ = run(models[arch])
+    if dispatch:  # the engine cores' expert layers read it (models/moe.py)
+        monkeypatch.setenv(DISPATCH_ENV, dispatch)
     outs, dbo_steps = run(models[arch], **layout)
     assert_same(outs, ref)
     if layout.get("enable_dbo"):
@@ -67,8 +73,10 @@ def test_dp2_matches_one_rank(models, arch, layout):
 
 
 @pytest.mark.timeout(180)
-def test_dp2_tp2_expert_parallel_matches_one_rank(models):
+def test_dp2_tp2_expert_parallel_matches_one_rank(models, monkeypatch):
+    """With the all-to-all dispatch: each TP rank sends its peers only its TP position's experts."""
     ref, _ = run(models["qwen3_moe"], max_tokens=3)
+    monkeypatch.setenv(DISPATCH_ENV, "all_to_all")
     outs, _ = run(models["qwen3_moe"], max_tokens=3, data_parallel_size=2, tensor_parallel_size=2,
                   enable_expert_parallel=True)
     assert_same(outs, ref)
@@ -195,3 +203,37 @@ def test_waves_start_once_and_follow_the_cores():
     coord.on_wave_finished(0)  # stale
     assert (coord.wave, coord.wave_running) == (1, True)
     assert coord.on_wave_started(3) == 3 and coord.wave == 3  # it ran ahead of our news
+
+
+def test_coordinated_steps_replay_the_graph_that_holds_them():
+    """One DP rank (nothing exchanged): a decode step replays the smallest graph that holds it,
+    an idle rank's dummy step replays one with no real row, others run eagerly."""
+    from types import SimpleNamespace
+
+    from longserve.config import ParallelConfig
+    from longserve.worker.dp_step import run_coordinated
+    from longserve.worker.model_runner import ModelRunner
+
+    class Runner:
+        config = SimpleNamespace(parallel=ParallelConfig())
+        ps = SimpleNamespace(dp=None, layout=SimpleNamespace(dp_rank=0))
+        graphs, calls = {1: None, 8: None}, []
+        graph_size = ModelRunner.graph_size
+
+        def replay_graph(self, inp, bs):
+            self.calls.append(("graph", inp is None, bs))
+
+        def model(self, ids, positions, meta, sp, dp_pad):
+            self.calls.append(("eager", dp_pad))
+
+    def step(n, decode, dummy=False):
+        inp = SimpleNamespace(num_local_tokens=n, is_pure_decode=decode, input_ids=None,
+                              positions=None, meta=None)
+        run_coordinated(runner, [SimpleNamespace(token_ids=[0] * n)], [[0]], inp, dummy)
+        return runner.calls.pop()
+
+    runner = Runner()
+    assert step(3, True) == ("graph", False, 8)
+    assert step(1, False, dummy=True) == ("graph", True, 1)
+    assert step(3, False) == ("eager", 3)  # a prefill
+    assert step(9, True) == ("eager", 9)  # no graph that large

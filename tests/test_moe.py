@@ -1,6 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) match HF transformers on one rank (float32)."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -88,3 +90,51 @@ def test_builtin_moe_configs():
     with open(os.path.join(resolve_model("builtin:qwen3-30b-a3b-shape"), "config.json")) as f:
         cfg = json.load(f)
     assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]) == (128, 8, 48)
+
+
+# ---- the fused Triton kernel (models/fused_moe_kernel.py), under the Triton interpreter ----
+
+def ref_experts(x, w13, w2, local, weights, k):
+    """float64 loop: weight * down(silu(gate x) * up x) per pair, 0 for other ranks' pairs."""
+    x, w13, w2, width = x.double(), w13.double(), w2.double(), w2.shape[2]
+    out = torch.zeros(local.numel(), w2.shape[1], dtype=torch.float64)
+    for p, e in enumerate(local.tolist()):
+        if e < w2.shape[0]:
+            h = w13[e] @ x[p // k]
+            out[p] = weights[p] * (w2[e] @ (torch.nn.functional.silu(h[:width]) * h[width:]))
+    return out
+
+
+def check_fused_kernel() -> None:
+    from longserve.models import fused_moe_kernel as fk
+    g = torch.Generator().manual_seed(0)
+    configs = [(1 << 62, 16, 16, 32, 4, 1), (1 << 62, 32, 32, 16, 4, 1)]  # K and N tails
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        for config, (num_tokens, k) in zip(configs, [(7, 2), (19, 3)]):
+            fk.BLOCK_CONFIGS = [config]
+            x = torch.randn(num_tokens, 40, generator=g)
+            w13, w2 = torch.randn(6, 48, 40, generator=g) / 6, torch.randn(6, 40, 24, generator=g) / 5
+            local = torch.randint(0, 7, (num_tokens * k,), generator=g)  # 6: another rank's
+            weights = torch.rand(num_tokens * k, generator=g)
+            got = fk.fused_experts(x.to(dtype), w13.to(dtype), w2.to(dtype), local, weights, k)
+            ref = ref_experts(x, w13, w2, local, weights, k)
+            torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
+            slot_pair, block_expert = fk.align_pairs(local, 6, config[1])
+            real = slot_pair < local.numel()
+            assert sorted(slot_pair[real].tolist()) == (local < 6).nonzero().flatten().tolist()
+            owner = block_expert.repeat_interleave(config[1])  # every real slot in its expert's block
+            assert torch.equal(local[slot_pair[real]], owner[real])
+
+
+@pytest.mark.timeout(300)
+def test_fused_moe_kernel_under_interpreter():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        check_fused_kernel()
+        return
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", "import test_moe as t; t.check_fused_kernel()"],
+                          env=env, cwd=repo, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]

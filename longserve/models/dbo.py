@@ -12,6 +12,7 @@ On GPU the collectives run on the communicator's stream, the compute on the curr
 waiting on a collective's work handle orders the two streams by events. On CPU (gloo) the
 same code gives the same tokens as one batch: every token's arithmetic is unchanged.
 The micro-batches' KV writes go to disjoint slots, so their order does not matter.
+DBO steps run eagerly (decode steps without it replay CUDA graphs), so it is off by default.
 """
 from __future__ import annotations
 

@@ -4,18 +4,20 @@ The experts of one layer are spread over the "MoE group": every DP x TP rank at 
 PCP position (vLLM's flattening of DP into TP for expert layers). Two ways to split them:
 - expert parallelism (EP): each rank holds num_experts / (dp * tp) whole experts;
 - otherwise tensor parallelism: each rank holds every expert, a 1 / (dp * tp) slice of its width.
-Either way the step's communication is the same, all-gather + reduce-scatter:
-  1. dispatch: all-gather the tokens of every DP rank (padded to the count the DP ranks
-     agreed on in `coordinate_batch_across_dp`; TP ranks of one DP rank hold the same tokens);
-  2. every rank routes all gathered tokens (the router is replicated) and runs its own
-     experts (or expert slices) on the tokens routed to them: a partial sum per token;
-  3. combine: reduce-scatter over DP gives each DP rank its own tokens' sums over the DP
-     ranks, then an all-reduce over TP (or a reduce-scatter, with sequence parallelism) adds
-     the TP ranks' parts.
-Why not all-to-all: all-gather + reduce-scatter needs no per-step exchange of counts, gives
-a fixed summation order (the same tokens on every run), exists on gloo, and moves
-dp x tokens x hidden per rank, which at the decode batch sizes DP serves is latency-, not
-bandwidth-bound; an all-to-all only pays once top-k x tokens is far below dp x tokens.
+Dispatch and combine over the DP group (TP ranks of one DP rank hold the same tokens):
+- all-gather + reduce-scatter (the default): all-gather every DP rank's tokens (padded to the
+  count the DP ranks agreed on in `coordinate_batch_across_dp`); every rank routes them all
+  (the router is replicated) and runs its own experts (or expert slices) on the pairs routed
+  to them; reduce-scatter over DP sums each DP rank's tokens back;
+- all-to-all (EP, from ALL_TO_ALL_MIN_TOKENS): each rank routes its own tokens and sends each
+  peer the rows with the expert ids that peer holds, in fixed [T, hidden] buffers per peer
+  (the worst case, so shapes are static and the counts travel on the device as ids of -1);
+  the peers send their partial sums back the same way. Its bytes equal the all-gather's: with
+  static shapes it can only win on latency (one call per direction, the router run once);
+then an all-reduce over TP (or a reduce-scatter, with sequence parallelism) adds the TP
+ranks' parts. Experts run as a fused Triton kernel (fused_moe_kernel.py) or torch._grouped_mm
+(bf16, from GROUPED_MM_MIN_PAIRS pairs). Nothing in a decode step waits for the device and
+every shape follows the padded token count: decode steps replay CUDA graphs.
 
 `stages()` is a generator that yields while a collective is in flight (started with
 async_op=True): dual-batch overlap (models/dbo.py) runs two micro-batches' generators in
@@ -24,6 +26,8 @@ simply runs it to the end.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -31,8 +35,14 @@ from torch import nn
 
 from longserve.config import ModelConfig
 from longserve.distributed.parallel_state import GroupCoordinator, ParallelState
-from longserve.models.fused_ops import silu_and_mul
+from longserve.models.fused_ops import silu_and_mul, use_triton
 from longserve.models.layers import _copy_checked, _param
+
+# Choices set from measurement (benchmarks/bench_moe_kernel.py, bench_dp.py --mode moe):
+GROUPED_MM_MIN_PAIRS = 8192  # bf16 pairs (tokens x top-k) from which torch._grouped_mm runs
+# (provisional: prefill-sized steps keep the grouped GEMMs they ran before, decode the kernel)
+ALL_TO_ALL_MIN_TOKENS = 1 << 62  # tokens per DP rank from which EP dispatches by all-to-all
+KERNEL_ENV, DISPATCH_ENV = "LONGSERVE_MOE_KERNEL", "LONGSERVE_MOE_DISPATCH"  # force one
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -59,7 +69,7 @@ class FusedMoE(nn.Module):
         rank, size = moe_group_rank(ps)
         self.dp, self.tp = ps.dp, ps.tp
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.num_experts = num_experts
+        self.num_experts, self.expert_parallel = num_experts, expert_parallel
         if expert_parallel:  # whole experts [first, first + num_local)
             assert num_experts % size == 0, (num_experts, size)
             self.num_local = num_experts // size
@@ -114,9 +124,10 @@ class FusedMoE(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, reduce: str = "all", dp_pad: int | None = None):
-        return drain(self.stages(x, reduce, dp_pad))
+        return drain(self.stages(x, reduce, dp_pad, async_op=False))
 
-    def stages(self, x: torch.Tensor, reduce: str = "all", dp_pad: int | None = None):
+    def stages(self, x: torch.Tensor, reduce: str = "all", dp_pad: int | None = None,
+               async_op: bool = True):
         """x [T, hidden] (this DP rank's tokens, the same on its TP ranks) -> [T, hidden]
         (or this TP rank's T/tp rows with reduce="scatter"). dp_pad: the token count every
         DP rank pads to (needed when dp > 1). Yields while a collective is in flight."""
@@ -126,40 +137,90 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"expert layer with data_parallel_size={self.dp.world_size} "
                                  f"needs the DP-agreed token count (got {dp_pad} for {num_tokens})")
             x = F.pad(x, (0, 0, 0, dp_pad - num_tokens))
-            pending = all_gather_async(self.dp, x)
-            yield
-            x = pending()
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        y = self.experts(x, weights, ids)
-        if self.dp.world_size > 1:
-            pending = reduce_scatter_async(self.dp, y)
-            yield
-            y = pending()[:num_tokens]
+            dispatch = self.all_to_all if self.uses_all_to_all(dp_pad) else self.all_gather
+            y = (yield from dispatch(x, async_op))[:num_tokens]
+        else:
+            y = self.experts(x, *self.route(x))
         if self.tp.world_size > 1:
-            pending = (reduce_scatter_async if reduce == "scatter" else all_reduce_async)(self.tp, y)
+            reduce_tp = reduce_scatter_async if reduce == "scatter" else all_reduce_async
+            pending = reduce_tp(self.tp, y, async_op)
             yield
             y = pending()
         return y
 
+    def route(self, x: torch.Tensor):
+        return select_experts(self.gate(x), self.top_k, self.renormalize)
+
+    def uses_all_to_all(self, dp_pad: int) -> bool:
+        mode = os.environ.get(DISPATCH_ENV)  # benchmarks force one
+        if mode is not None:
+            return mode == "all_to_all" and self.expert_parallel
+        return self.expert_parallel and dp_pad >= ALL_TO_ALL_MIN_TOKENS
+
+    def all_gather(self, x: torch.Tensor, async_op: bool):
+        """Every rank routes the DP group's tokens and sums its experts' share of each."""
+        pending = all_gather_async(self.dp, x, async_op)
+        yield
+        x = pending()
+        pending = reduce_scatter_async(self.dp, self.experts(x, *self.route(x)), async_op)
+        yield
+        return pending()
+
+    def all_to_all(self, x: torch.Tensor, async_op: bool):
+        """EP: tokens routed on their own rank; peer d receives [T, hidden] rows (static: the
+        worst case, every token) whose expert ids name only the experts that the rank at this
+        TP position of DP rank d holds (-1 elsewhere), and returns its partial sums, one row
+        per token, which add up here."""
+        weights, ids = self.route(x)
+        k, dp, tp = ids.shape[1], self.dp.world_size, self.tp.world_size
+        holder = ids // self.num_local  # MoE-group rank of each pair's expert
+        meta = [torch.cat([torch.where(holder == d * tp + self.tp.rank_in_group, ids, -1).float(),
+                           weights], 1) for d in range(dp)]  # ids are exact in float32
+        pending = (all_to_all_async(self.dp, x.expand(dp, *x.shape), async_op),
+                   all_to_all_async(self.dp, torch.stack(meta), async_op))
+        yield
+        xs, meta = (p().flatten(0, 1) for p in pending)
+        y = self.experts(xs, meta[:, k:], meta[:, :k].long())
+        pending = all_to_all_async(self.dp, y.view(dp, -1, y.shape[1]), async_op)
+        yield
+        return pending().sum(0, dtype=torch.float32).to(x.dtype)
+
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every row of x.
 
-        The (token, k) pairs are sorted by local expert (then token: HF's summation order);
-        pairs routed to other ranks' experts sort last with weight 0. No step here waits
-        for the device (group ends by searchsorted), so the host keeps queueing work."""
+        Each (token, k) pair's output lands in its own row of [T * k, hidden] (zero for pairs
+        of other ranks' experts, or id -1), and a token's k rows add up in float32: no atomics,
+        no step that waits for the device, shapes set by T alone (CUDA graphs)."""
         num_tokens, k = ids.shape
-        local = (ids - self.first).flatten()
-        mine = (local >= 0) & (local < self.num_local)
-        local = torch.where(mine, local, self.num_local)
+        local = ids.flatten() - self.first
+        local = torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
+        if use_fused_kernel(x, local.numel()):
+            from longserve.models.fused_moe_kernel import fused_experts
+            pairs = fused_experts(x, self.w13, self.w2, local, weights.flatten().float(), k)
+        else:
+            pairs = self.grouped_experts(x, local, weights.flatten(), k)
+        return pairs.view(num_tokens, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+
+    def grouped_experts(self, x, local, weights, k) -> torch.Tensor:
+        """The same through grouped GEMMs over the pairs sorted by local expert: [T * k, hidden]."""
         order = torch.argsort(local, stable=True)
         local = local[order]
-        token = torch.div(order, k, rounding_mode="floor")
-        w = torch.where(mine, weights.flatten(), 0.0)[order]
         ends = torch.searchsorted(local, torch.arange(1, self.num_local + 1, device=x.device))
-        h = grouped_linear(x[token], self.w13, ends)
+        h = grouped_linear(x[order // k], self.w13, ends)
         h = grouped_linear(silu_and_mul(h), self.w2, ends)
-        h = torch.where((local < self.num_local)[:, None], h.float() * w[:, None], 0.0)
-        return torch.zeros_like(x).index_add_(0, token, h.to(x.dtype))
+        h = torch.where((local < self.num_local)[:, None], h.float() * weights[order, None], 0.0)
+        return torch.empty_like(h, dtype=x.dtype).index_copy_(0, order, h.to(x.dtype))
+
+
+def use_fused_kernel(x: torch.Tensor, num_pairs: int) -> bool:
+    """The Triton kernel (fused_moe_kernel.py) on CUDA, or torch._grouped_mm for bf16 from
+    GROUPED_MM_MIN_PAIRS pairs on; the torch path on the CPU (unless TRITON_INTERPRET=1)."""
+    if not use_triton(x):
+        return False
+    if x.dtype != torch.bfloat16:  # _grouped_mm is bf16 only; the loop would wait for the device
+        return True
+    forced = os.environ.get(KERNEL_ENV)  # benchmarks force one
+    return forced == "triton" if forced else num_pairs < GROUPED_MM_MIN_PAIRS
 
 
 class ReplicatedLinear(nn.Module):
@@ -208,34 +269,43 @@ def drain(stages):
             return done.value
 
 
-# ---- collectives that return at once; calling the result waits and gives the value -------
+# ---- collectives started at once (async_op) or run now; calling the result gives the value ---
 
 def _is_gloo(group: GroupCoordinator) -> bool:
     return dist.get_backend(group.device_group) == "gloo"
 
 
-def all_gather_async(group: GroupCoordinator, x: torch.Tensor):
+def _waiter(work, value: torch.Tensor):
+    return lambda: (work is not None and work.wait(), value)[1]
+
+
+def all_gather_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
     x = x.contiguous()
     if _is_gloo(group):
         parts = [torch.empty_like(x) for _ in range(group.world_size)]
-        work = dist.all_gather(parts, x, group=group.device_group, async_op=True)
-        return lambda: (work.wait(), torch.cat(parts))[1]
+        work = dist.all_gather(parts, x, group=group.device_group, async_op=async_op)
+        return lambda: (work is not None and work.wait(), torch.cat(parts))[1]
     out = x.new_empty((group.world_size * x.shape[0],) + tuple(x.shape[1:]))
-    work = dist.all_gather_into_tensor(out, x, group=group.device_group, async_op=True)
-    return lambda: (work.wait(), out)[1]
+    return _waiter(dist.all_gather_into_tensor(out, x, group=group.device_group,
+                                               async_op=async_op), out)
 
 
-def reduce_scatter_async(group: GroupCoordinator, x: torch.Tensor):
+def reduce_scatter_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
     """Sum over ranks; this rank keeps its 1/world_size of the rows."""
     x = x.contiguous()
     if _is_gloo(group):  # gloo has no reduce_scatter
-        work = dist.all_reduce(x, group=group.device_group, async_op=True)
-        return lambda: (work.wait(), x.chunk(group.world_size)[group.rank_in_group])[1]
+        work = dist.all_reduce(x, group=group.device_group, async_op=async_op)
+        return _waiter(work, x.chunk(group.world_size)[group.rank_in_group])
     out = x.new_empty((x.shape[0] // group.world_size,) + tuple(x.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, x, group=group.device_group, async_op=True)
-    return lambda: (work.wait(), out)[1]
+    return _waiter(dist.reduce_scatter_tensor(out, x, group=group.device_group,
+                                              async_op=async_op), out)
 
 
-def all_reduce_async(group: GroupCoordinator, x: torch.Tensor):
-    work = dist.all_reduce(x, group=group.device_group, async_op=True)
-    return lambda: (work.wait(), x)[1]
+def all_reduce_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
+    return _waiter(dist.all_reduce(x, group=group.device_group, async_op=async_op), x)
+
+
+def all_to_all_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
+    """x [world_size, ...]: x[j] goes to rank j; rank j's piece for this rank lands at [j]."""
+    x, out = x.contiguous(), torch.empty_like(x)
+    return _waiter(dist.all_to_all_single(out, x, group=group.device_group, async_op=async_op), out)

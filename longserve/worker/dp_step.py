@@ -6,6 +6,9 @@ Each DP rank is an engine core of its own (engine/core_proc.py) with its own pla
   token count, micro-batching only if all can), because every rank joins every expert
   collective. A DP rank with no requests in a lockstep step runs `run_dummy_step`: a
   one-token forward that writes no KV and samples nothing.
+- Decode steps replay CUDA graphs (worker/model_runner.py): each rank offers the size of the
+  graph that holds its tokens; if every rank has one, all replay the largest offered (so
+  every expert collective has one shape), an idle rank's dummy step included.
 - Dual-batch overlap (DBO): the step's requests split at the request boundary that best
   balances the two micro-batches; models/dbo.py interleaves their forwards.
 """
@@ -17,8 +20,11 @@ import torch
 from longserve.models.dbo import run_dual_batch
 from longserve.step_plan import ScheduledRequest
 from longserve.worker.dp_utils import coordinate_batch_across_dp
+
 from longserve.worker.step_inputs import StepInputs, prepare_step
 from longserve.worker.utils import is_residual_scattered_for_sp
+
+NO_GRAPH, FULL_GRAPH = 0, 2  # coordinate_batch_across_dp's CUDA-graph modes
 
 
 def wants_dbo(parallel, inp: StepInputs) -> bool:
@@ -37,19 +43,25 @@ def balanced_split(tokens_per_request: np.ndarray) -> int:
 
 
 def run_coordinated(runner, reqs: list[ScheduledRequest], block_ids: list[list[int]],
-                    inp: StepInputs) -> torch.Tensor:
-    """The forward of a step whose shape the DP ranks agree on; hidden states [T, hidden]."""
+                    inp: StepInputs, dummy: bool = False) -> torch.Tensor:
+    """The forward of a step whose shape the DP ranks agree on; hidden states [T, hidden].
+    When every rank can, all replay the decode graph of the agreed (largest) size; a dummy
+    step replays it with no real row."""
     par, ps = runner.config.parallel, runner.ps
     n = inp.num_local_tokens
     per_req = np.array([len(r.token_ids) for r in reqs])
-    allow_ubatch = wants_dbo(par, inp) and len(reqs) >= 2
-    padded = n
+    allow_ubatch = wants_dbo(par, inp) and len(reqs) >= 2  # micro-batches run eagerly
+    graph = runner.graph_size(n) if (inp.is_pure_decode or dummy) and not allow_ubatch else None
+    padded = n if graph is None else graph
     if allow_ubatch:  # both micro-batches are padded to the larger one's size
         k = balanced_split(per_req)
         padded = 2 * int(max(per_req[:k].sum(), per_req[k:].sum()))
-    should_ubatch, after_padding, _ = coordinate_batch_across_dp(
-        n, allow_ubatch, True, par, padded, inp.is_pure_decode, per_req, 0, dp_group=ps.dp)
+    should_ubatch, after_padding, mode = coordinate_batch_across_dp(
+        n, allow_ubatch, True, par, padded, inp.is_pure_decode, per_req,
+        NO_GRAPH if graph is None else FULL_GRAPH, dp_group=ps.dp)
     dp_pad = int(after_padding[ps.layout.dp_rank])
+    if mode == FULL_GRAPH:
+        return runner.replay_graph(None if dummy else inp, dp_pad)
     if not should_ubatch:
         sp = is_residual_scattered_for_sp(runner.config, n)
         return runner.model(inp.input_ids, inp.positions, inp.meta, sp, dp_pad)
@@ -64,9 +76,10 @@ def run_coordinated(runner, reqs: list[ScheduledRequest], block_ids: list[list[i
 
 
 def run_dummy_step(runner) -> None:
-    """A one-token forward with no KV write: keeps an idle DP rank in the expert collectives."""
+    """A one-token forward with no KV write (or a graph replay with no real row): keeps an
+    idle DP rank in the expert collectives."""
     req = ScheduledRequest("dp-dummy", [0], 0, [0], True, False)
     inp = prepare_step([req], [[0]], runner.layout, runner.ps, None, runner.device,
                        runner.backend)
     inp.meta.slot_mapping.fill_(-1)
-    run_coordinated(runner, [req], [[0]], inp)
+    run_coordinated(runner, [req], [[0]], inp, dummy=True)

@@ -243,7 +243,7 @@ class ModelRunner:
 
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         n = inp.num_local_tokens
-        if inp.is_pure_decode and self.graphs and n <= max(self.graphs):
+        if inp.is_pure_decode and self.graph_size(n) is not None:
             return self.replay_graph(inp)
         if not inp.is_pure_decode and self.piecewise is not None and self.piecewise.fits(n):
             return self.piecewise.run(inp.input_ids, inp.positions, inp.meta)
@@ -342,8 +342,6 @@ class ModelRunner:
     def capture_cudagraphs(self) -> None:
         """Capture the model's decode forward at bucketed batch sizes (largest first, one pool),
         then the piecewise graphs."""
-        if self.config.model.is_moe:
-            return  # expert layers sort tokens by expert with data-dependent sizes: eager
         max_bs = self.config.scheduler.max_num_seqs
         sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs}
                        | {max_bs})
@@ -358,9 +356,11 @@ class ModelRunner:
             qsl=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             table=torch.zeros(max_bs, width, dtype=torch.int32, device=dev))
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(sizes):
+        dp = self.ps.dp.world_size > 1  # expert layers: the graph of bs pads every DP rank to bs
+        for bs in reversed(sizes):  # (every DP rank captures the same sizes, in this order)
             meta = self._static_decode_meta(bs)
-            args = (self.static["input_ids"][:bs], self.static["positions"][:bs], meta)
+            args = (self.static["input_ids"][:bs], self.static["positions"][:bs], meta, False,
+                    bs if dp else None)
             self.model(*args)  # warm up (Triton compile, cuBLAS handles) outside the capture
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
@@ -396,17 +396,25 @@ class ModelRunner:
         return AttentionMetadata(num_decode_tokens=bs, num_tokens=bs, slot_mapping=s["slots"][:bs],
                                  decode=part, ps=self.ps, backend=self.backend)
 
-    def replay_graph(self, inp: StepInputs) -> torch.Tensor:
-        n = inp.num_local_tokens
-        bs = min(b for b in self.graphs if b >= n)
+    def replay_graph(self, inp: StepInputs | None, bs: int | None = None) -> torch.Tensor:
+        """Replay the decode graph of bs rows (default: the smallest that holds the step), the
+        step's rows first; inp None: every row is padding (an idle DP rank's dummy step)."""
+        n = inp.num_local_tokens if inp is not None else 0
+        bs = bs or self.graph_size(n)
         graph, hidden, _ = self.graphs[bs]
-        s, part = self.static, inp.meta.decode
-        s["input_ids"][:n].copy_(inp.input_ids)
-        s["positions"][:n].copy_(inp.positions)
-        s["slots"][:n].copy_(inp.meta.slot_mapping)
+        s = self.static
+        if inp is not None:
+            part = inp.meta.decode
+            s["input_ids"][:n].copy_(inp.input_ids)
+            s["positions"][:n].copy_(inp.positions)
+            s["slots"][:n].copy_(inp.meta.slot_mapping)
+            s["kv_lens"][:n].copy_(part.kv_lens)
+            s["table"][:n, :part.block_table.shape[1]].copy_(part.block_table)
         s["slots"][n:bs].fill_(-1)  # padding rows write nowhere and read nothing
-        s["kv_lens"][:n].copy_(part.kv_lens)
         s["kv_lens"][n:bs].fill_(0)
-        s["table"][:n, :part.block_table.shape[1]].copy_(part.block_table)
         graph.replay()
         return hidden[:n]
+
+    def graph_size(self, n: int) -> int | None:
+        """The decode graph that holds n tokens, None if none does."""
+        return min((b for b in self.graphs if b >= n), default=None)

@@ -24,8 +24,8 @@ values, and dense ops never mix rows, so they cannot leak into the real rows.
 
 With `use_graphs=False` (CPU, tests) the same segments run in the same order on the same
 buffers, called instead of replayed. With TP the all-reduces of o_proj and down_proj are
-captured (NCCL). Not covered (those steps run eagerly): expert layers (data-dependent
-sizes), sequence parallelism, PCP (token counts differ per rank; K/V gathered in attention).
+captured (NCCL). Not covered (those steps run eagerly): expert layers (their decode steps
+replay full graphs; DP ranks agree on each step's size), sequence parallelism, PCP (token counts differ per rank; K/V gathered in attention).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def piecewise_unsupported(config) -> str | None:
     """Why steps with prefill run eagerly under this EngineConfig; None: piecewise graphs."""
     par = config.parallel
     if config.model.is_moe:
-        return "expert layers have data-dependent sizes"
+        return "expert layers: only decode steps replay graphs"
     if par.enable_sequence_parallel:
         return "sequence parallelism is not captured piecewise"
     if par.prefill_context_parallel_size > 1:
