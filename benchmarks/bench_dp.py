@@ -60,10 +60,12 @@ def decode_steps(llm, since: list[int] | None = None) -> list[list]:
 
 def run_one(path: str, args, n: int, **layout) -> dict:
     load_format = "dummy" if not os.path.isfile(os.path.join(path, "model.safetensors")) else "auto"
+    t_start = time.perf_counter()
     llm = LLM(path, device=args.device, dtype=args.dtype, load_format=load_format,
               max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=max(n // layout.get("data_parallel_size", 1), 1),  # per DP rank
               enforce_eager=args.enforce_eager, **layout)
+    start_s = time.perf_counter() - t_start
     vocab = llm.config.model.vocab_size
     llm.generate(prompts(vocab, n, args.input_len, 7),  # warm-up at the same batch shapes
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -75,7 +77,9 @@ def run_one(path: str, args, n: int, **layout) -> dict:
     elapsed = time.perf_counter() - t
     per_core = decode_steps(llm, since)
     model, elem = llm.config.model, llm.config.dtype.itemsize
+    t_stop = time.perf_counter()
     llm.shutdown()
+    shutdown_s = time.perf_counter() - t_stop
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     dec = [step for steps in per_core for step in steps]
     # the cores step side by side: decode tokens/s is the sum of each core's rate
@@ -83,7 +87,8 @@ def run_one(path: str, args, n: int, **layout) -> dict:
     row = dict(layout=layout_name(layout), batch=n, elapsed_s=round(elapsed, 3),
                output_tok_s=round(n_out / elapsed, 1),
                decode_tok_s=round(dec_tok_s, 1) if dec else None,
-               decode_step_ms=round(1e3 * float(np.median([x[1] for x in dec])), 2) if dec else None)
+               decode_step_ms=round(1e3 * float(np.median([x[1] for x in dec])), 2) if dec else None,
+               start_s=round(start_s, 1), shutdown_s=round(shutdown_s, 2))
     if model.is_moe:
         floor, hit = bytes_floor(model, layout, n, args.input_len + args.output_len / 2, elem)
         floor_ms = 1e3 * floor / args.bw
@@ -138,6 +143,8 @@ def bench_moe(args) -> list[dict]:
     rows = []
     for n in args.batches:
         for layout in layouts:
+            if layout.get("enable_dbo") and args.dbo_batches is not None and n not in args.dbo_batches:
+                continue
             rows.append(run_one(path, args, n, **layout))
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -175,6 +182,8 @@ def main() -> None:
     p.add_argument("--dbo-decode-threshold", type=int, default=32)
     p.add_argument("--bw", type=float, default=3.35e12, help="HBM bytes/s for the floor (H100)")
     p.add_argument("--with-tp-dbo", action="store_true", help="also tp=2 with DBO")
+    p.add_argument("--dbo-batches", type=int, nargs="*", default=None,
+                   help="the batches at which the DBO layouts run (default: all)")
     args = p.parse_args()
     rows = bench_dense(args) if args.mode == "dense" else bench_moe(args)
     print_table(rows)

@@ -51,9 +51,11 @@ def wait_all_gone(procs: list[psutil.Process], timeout: float) -> float | None:
 
 
 def one_engine(args, name: str) -> dict:
-    before = gpu_used_mib()
+    before, t_start = gpu_used_mib(), time.monotonic()
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, device=args.device,
-              gpu_memory_utilization=args.gpu_memory_utilization, **LAYOUTS[name])
+              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+              **LAYOUTS[name])
+    start_s = time.monotonic() - t_start
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     tree, cores = tree_of(os.getpid()), list(llm.engine.client.procs.values())
     during = gpu_used_mib()
@@ -61,8 +63,8 @@ def one_engine(args, name: str) -> dict:
     llm.shutdown()
     shutdown_s = time.monotonic() - t0
     gone_s = wait_all_gone(tree, 30)
-    return dict(layout=name, shutdown_s=shutdown_s,
-                last_exit_s=None if gone_s is None else shutdown_s + gone_s,
+    return dict(layout=name, start_s=round(start_s, 1), shutdown_s=round(shutdown_s, 2),
+                last_exit_s=None if gone_s is None else round(shutdown_s + gone_s, 2),
                 core_exit=[c.returncode for c in cores], procs=len(tree),
                 gpu_mib_before=before, gpu_mib_running=during, gpu_mib_after=gpu_used_mib())
 
@@ -110,13 +112,17 @@ def main() -> None:
     p.add_argument("--layouts", nargs="+", default=["tp2", "pcp2", "tp2-dcp2", "dp2", "tp2-eager"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="fewer decode graphs: a faster start")
+    p.add_argument("--pinned", action=argparse.BooleanOptionalAction, default=True,
+                   help="also CUDA_VISIBLE_DEVICES=1")
     p.add_argument("--kill", nargs="*", default=["tp2", "dp2"], help="layouts whose front end is SIGKILLed")
     args = p.parse_args()
-    rows = [one_engine(args, name) for name in args.layouts]
-    rows += [killed_front_end(args, name) for name in args.kill]
-    rows.append(pinned_to_gpu1(args))
-    for row in rows:
-        print(row, flush=True)
+    for name in args.layouts:  # each row as it comes (a run cut short still reports)
+        print(one_engine(args, name), flush=True)
+    for name in args.kill:
+        print(killed_front_end(args, name), flush=True)
+    if args.pinned:
+        print(pinned_to_gpu1(args), flush=True)
 
 
 if __name__ == "__main__":
