@@ -254,6 +254,7 @@ def _merge_splits_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D  # this program's slice of head_dim
     lse_row = part_lse_ptr + t * stride_qt + h * stride_qh
     out_row = part_out_ptr + t * stride_pt + h * stride_ph
     s = tl.arange(0, BLOCK_S).to(tl.int64)
@@ -261,7 +262,7 @@ def _merge_splits_kernel(
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.sum(tl.exp(lse - m), axis=0)  # empty splits weigh 0
-    d = tl.arange(0, BLOCK_D)
+    d = d0 + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, NUM_SPLITS, CHUNK_S):
         sc = (s0 + tl.arange(0, CHUNK_S)).to(tl.int64)
@@ -273,8 +274,9 @@ def _merge_splits_kernel(
     denom_safe = tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / denom_safe).to(out_ptr.dtype.element_ty),
              mask=d < D)
-    tl.store(lse_ptr + t * stride_lt + h * stride_lh,
-             tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
+    if d0 == 0:
+        tl.store(lse_ptr + t * stride_lt + h * stride_lh,
+                 tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -338,14 +340,17 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 
 
 def _merge_kv_splits(o_buf, l_buf, out, lse) -> None:
-    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]."""
+    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]. A program per
+    (row, head, 32 of head_dim) loading [64 splits, 32] a step: batch 1 with 32 heads over 256
+    splits was 32 programs walking 16 dependent steps each (a latency-bound tail of decode)."""
     num_kv_splits, T, Hq, D = o_buf.shape
-    _merge_splits_kernel[(T, Hq)](
+    BLOCK_D = min(32, triton.next_power_of_2(D))
+    _merge_splits_kernel[(T, Hq, triton.cdiv(D, BLOCK_D))](
         o_buf, l_buf, out, lse,
         *o_buf.stride()[:3], *l_buf.stride(),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         NUM_SPLITS=num_kv_splits, D=D, BLOCK_S=triton.next_power_of_2(num_kv_splits),
-        CHUNK_S=min(16, triton.next_power_of_2(num_kv_splits)), BLOCK_D=triton.next_power_of_2(D),
+        CHUNK_S=min(64, triton.next_power_of_2(num_kv_splits)), BLOCK_D=BLOCK_D,
         num_warps=4,
     )
 
@@ -364,8 +369,9 @@ def merge_partials_triton(parts: torch.Tensor, dtype: torch.dtype):
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_table: torch.Tensor, query_start_loc: torch.Tensor,
                         kv_lens: torch.Tensor, scale: float, max_query_len: int,
-                        num_kv_splits: int | None = None,
-                        kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_kv_splits: int | None = None, kv_scale: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None,
+                        lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of each request's query rows over its first kv_lens[r] cached tokens.
 
     q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks] int32;
@@ -373,7 +379,8 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lse [T, Hq] float32 (natural log). Rows outside query_start_loc[0]:query_start_loc[R]
     are left unwritten. max_query_len (>= the longest request's row count) only picks the
     tiling; num_kv_splits=None picks the split count from shapes. kv_scale [2, Hkv] float32:
-    an FP8 cache's per-head K and V scales (dequantized in the kernel). Graph-capturable.
+    an FP8 cache's per-head K and V scales (dequantized in the kernel). out [T, Hq, D] / lse
+    [T, Hq]: where to write (any dtype / strides, last dim contiguous). Graph-capturable.
     """
     T, Hq, D = q.shape
     _, B, Hkv, Dk = k_cache.shape
@@ -381,8 +388,8 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert Dk == D and Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert v_cache.stride() == k_cache.stride() and query_start_loc.shape[0] == R + 1
     G = Hq // Hkv
-    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device) if lse is None else lse
     if T == 0 or R == 0:
         return out, lse
 
