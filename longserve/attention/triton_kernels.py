@@ -170,6 +170,7 @@ def _paged_attn_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PAD_PER_REQ: tl.constexpr, SPLIT_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -195,6 +196,8 @@ def _paged_attn_kernel(
     md_ok = row_ok[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + row.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=md_ok, other=0.0)  # [M, D]
+    if DOT_F16:  # every tile's K, P and V follow q's dtype (see FP8_DOT_F16)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # this split's share of the request's KV, in whole tiles
     kv_len = tl.load(kv_lens_ptr + req)
@@ -328,6 +331,18 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 
+# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages)
+# by cache dtype. bf16 on H100 at 128K: 4 warps / 2 stages, 2.79 TB/s of KV (2 / 3: 2.65).
+# FP8 read 1.9 TB/s with the bf16 settings; benchmarks/bench_decode_attn.py --fp8-sweep tries
+# longer tiles (the same bytes a tile as bf16's) and the fp16 dot below.
+SPLIT_DECODE = (64, 4, 2)
+SPLIT_DECODE_FP8 = (64, 4, 2)
+# FP8 cache with bf16 queries: dot in fp16. e4m3 -> fp16 is one cvt per two values on sm_90,
+# -> bf16 goes through fp16 and fp32 (three more per pair), on every K and V element read;
+# fp16 holds every e4m3 value and every bf16 query in [-65504, 65504] exactly (q is clamped).
+FP8_DOT_F16 = True
+
+
 def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
     """Where the kernel writes: straight into (out, lse) with one split (split stride 0),
     else float32 partials [splits, T, Hq, D] / [splits, T, Hq] for `_merge_kv_splits`."""
@@ -403,8 +418,8 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
         num_kv_splits = _default_num_kv_splits(busy, block_table.shape[1] * B, q.device)
 
-    if on_gpu and BLOCK_Q == 1 and num_kv_splits > 1:  # long-context decode: 4 warps, 2 stages
-        num_warps, num_stages = 4, 2  # (an FP8 cache at 128K: 144 us against 248 with 2 and 3)
+    if on_gpu and BLOCK_Q == 1 and num_kv_splits > 1:  # long-context decode
+        BLOCK_N, num_warps, num_stages = SPLIT_DECODE if kv_scale is None else SPLIT_DECODE_FP8
     o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
     _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, kv_scale,
@@ -419,6 +434,7 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
         DOT_UPCAST=not on_gpu or os.environ.get("TRITON_INTERPRET") == "1",
         KV_FP8=kv_scale is not None, num_warps=num_warps, num_stages=num_stages,
+        DOT_F16=FP8_DOT_F16 and kv_scale is not None and q.dtype == torch.bfloat16,
     )
     if num_kv_splits > 1:
         _merge_kv_splits(o_buf, l_buf, out, lse)
