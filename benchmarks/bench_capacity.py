@@ -37,9 +37,19 @@ def kv_share(num_kv_heads: int, tp: int, dcp: int, pcp: int) -> float:
     return heads / num_kv_heads / (pcp * dcp)
 
 
-def prefill_and_decode(engine, core, prompt, decode: int):
+def profile_steps(core, steps: int) -> None:
+    """Rank 0's host and device time over `steps` decode steps, by op (torch profiler): where
+    an eager step's host time goes (per layer: divide the calls by the layers)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+
+
+def prefill_and_decode(engine, core, prompt, decode: int, profile: int = 0):
     """Step the core through the prompt's chunks, then its decode steps; (request, prefill
-    seconds, decode step seconds)."""
+    seconds, decode step seconds). profile: that many decode steps under the profiler."""
     req = engine.make_request(prompt, SamplingParams(max_tokens=decode, ignore_eos=True))
     core.add_request(req)
     req = core.scheduler.requests[req.request_id]
@@ -54,6 +64,8 @@ def prefill_and_decode(engine, core, prompt, decode: int):
                   f"(step {time.perf_counter() - t:.2f} s)", flush=True)
         elif len(req.output_token_ids) > 1:
             step_times.append(time.perf_counter() - t)
+            if profile and len(step_times) == 8 and core.has_work():
+                profile_steps(core, profile)
     return req, prefill_s, step_times
 
 
@@ -70,7 +82,8 @@ def run(args, kv_cache_dtype: str) -> float:
         weight_bytes = sum(p.numel() * p.element_size()  # rank 0's share of the weights
                            for p in core.executor.driver.runner.model.parameters())
         pool_tokens = core.kv.num_blocks * core.kv.tokens_per_block
-        req, prefill_s, step_times = prefill_and_decode(llm.engine, core, prompt, args.decode)
+        req, prefill_s, step_times = prefill_and_decode(llm.engine, core, prompt, args.decode,
+                                                        args.profile)
     ranks = args.pcp * args.tp
     flops = 2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS
     elem = 1 if kv_cache_dtype == "fp8" else 2
@@ -105,6 +118,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=65536)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many decode steps (rank 0)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="a comma list: auto, fp8")
     ap.add_argument("--bw", type=float, default=4.2e12, help="HBM bytes/s for the floor (H200: 4.2e12)")
     args = ap.parse_args()
