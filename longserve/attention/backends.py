@@ -73,8 +73,10 @@ class TorchAttentionBackend:
             meta.step_kv[layer.layer_idx] = (k, v)
         else:  # cross-layer KV sharing: the target's K/V, for the new tokens and the cache alike
             k, v = meta.step_kv[layer.kv_sharing_target]
-        out = torch.empty_like(q) if out is None else out
         nd = meta.num_decode_tokens
+        if nd and nd == meta.num_tokens and out is None:  # pure decode: its result is the output
+            return self.sharded_paged_attention(layer, q, meta.decode, ps, False)[0]
+        out = torch.empty_like(q) if out is None else out
         if nd:
             out[:nd] = self.sharded_paged_attention(layer, q[:nd], meta.decode, ps, False)[0]
         if meta.num_tokens > nd:
