@@ -221,8 +221,8 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
             if rank in ranks:
                 mine[kind] = GroupCoordinator(ranks, rank, device_group, cpu_group)
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
         for kind in ("tp", "pcp", "dcp", "cp"):  # the groups of a decode step's collectives
             if mine[kind].world_size > 1:
-                mine[kind].symm = symm_all_reduce.create(mine[kind].device_group,
-                                                         torch.device("cuda", torch.cuda.current_device()))
+                mine[kind].symm = symm_all_reduce.create(mine[kind].device_group, device)
     return ParallelState(layout, **mine)

@@ -40,13 +40,14 @@ class SymmAllReduce:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.table, self.name = table, group.group_name
         self.rank, self.world_size = group.rank(), group.size()
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before torch 2.9, a no-op after
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
             symm_mem.enable_symm_mem_for_group(self.name)
         self.buf = symm_mem.empty(table[-1][0], dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buf, self.name)  # views of buf start at its base: same handle
 
     def algorithm(self, x: torch.Tensor, nbytes: int) -> str | None:
-        if x.dtype not in DTYPES or not x.is_contiguous() or nbytes % 16:
+        offset = x.storage_offset() * x.element_size()  # the kernels want x aligned as the buffer
+        if x.dtype not in DTYPES or not x.is_contiguous() or (nbytes | offset) % 16:
             return None
         return next((alg for limit, alg in self.table if nbytes <= limit), None)
 
@@ -104,7 +105,8 @@ def create(device_group, device: torch.device) -> SymmAllReduce | None:
         comm = SymmAllReduce(device_group, device, table)
     except Exception as e:  # no NVLink peer access, a torch without symmetric memory, ...
         if not _WARNED:
-            logger.warning("symmetric-memory all-reduce unavailable (%s: %s): NCCL", type(e).__name__, e)
+            logger.warning("symmetric-memory all-reduce unavailable (%s: %s): NCCL",
+                           type(e).__name__, e)
         _WARNED.append(e)
         comm = None
     ok = torch.tensor([comm is not None], dtype=torch.int32, device=device)
