@@ -47,7 +47,7 @@ class SymmAllReduce:
 
     def algorithm(self, x: torch.Tensor, nbytes: int) -> str | None:
         offset = x.storage_offset() * x.element_size()  # the kernels want x aligned as the buffer
-        if x.dtype not in DTYPES or not x.is_contiguous() or (nbytes | offset) % 16:
+        if x.dtype not in DTYPES or not x.is_contiguous() or not nbytes or (nbytes | offset) % 16:
             return None
         return next((alg for limit, alg in self.table if nbytes <= limit), None)
 
