@@ -12,6 +12,11 @@ their decode steps; --model builtin:llama3-8b-1kv-shape is the shape where DCP s
 
     python benchmarks/bench_capacity.py --tokens 131072 --pcp 1 --decode 48 --kv-cache-dtype auto,fp8
     python benchmarks/bench_capacity.py --tokens 131072 --pcp 1 --tp 2 --dcp 2 --model builtin:llama3-8b-1kv-shape
+
+--batch B decodes B such prompts together: all prefilled first, then run again from the prefix
+cache so that they decode together (the steps where all B decode are timed), e.g. the
+one-KV-head shape under load: --batch 64 --tokens 32000; --profile N prints where N of those
+steps spend rank 0's host and device time.
 """
 import argparse
 import gc
@@ -37,44 +42,65 @@ def kv_share(num_kv_heads: int, tp: int, dcp: int, pcp: int) -> float:
     return heads / num_kv_heads / (pcp * dcp)
 
 
-def prefill_and_decode(engine, core, prompt, decode: int):
-    """Step the core through the prompt's chunks, then its decode steps; (request, prefill
-    seconds, decode step seconds)."""
-    req = engine.make_request(prompt, SamplingParams(max_tokens=decode, ignore_eos=True))
-    core.add_request(req)
-    req = core.scheduler.requests[req.request_id]
+def profile_steps(core, steps: int) -> None:
+    """Rank 0's host and device time over `steps` decode steps, by op (torch profiler): where
+    an eager step's host time goes (per layer: divide the calls by the layers)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+
+
+def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0):
+    """Step the core through the prompts' chunks, then their decode steps; (requests, prefill
+    seconds, decode step seconds: the steps where every request decodes). profile: that many
+    such steps under the profiler."""
+    reqs = []
+    for prompt in prompts:
+        req = engine.make_request(prompt, SamplingParams(max_tokens=decode, ignore_eos=True))
+        core.add_request(req)
+        reqs.append(core.scheduler.requests[req.request_id])
     t0, prefill_s, step_times = time.perf_counter(), None, []
     while core.has_work():
         t = time.perf_counter()
         core.step()
-        if prefill_s is None and req.output_token_ids:
+        if prefill_s is None and all(r.output_token_ids for r in reqs):
             prefill_s = time.perf_counter() - t0
         elif prefill_s is None:
-            print(f"  prefilled {req.num_computed_tokens} tokens at {t - t0:.1f} s "
+            print(f"  prefilled {sum(r.num_computed_tokens for r in reqs)} tokens at {t - t0:.1f} s "
                   f"(step {time.perf_counter() - t:.2f} s)", flush=True)
-        elif len(req.output_token_ids) > 1:
+        elif all(1 < len(r.output_token_ids) < decode for r in reqs):
             step_times.append(time.perf_counter() - t)
-    return req, prefill_s, step_times
+            if profile and len(step_times) == 8:
+                profile_steps(core, profile)
+    return reqs, prefill_s, step_times
 
 
 def run(args, kv_cache_dtype: str) -> float:
     s = args.tokens
-    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_num_seqs=1,
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
               max_model_len=s + args.decode + 64, max_num_batched_tokens=args.chunk,
-              enable_prefix_caching=False, prefill_context_parallel_size=args.pcp,
+              enable_prefix_caching=args.batch > 1, prefill_context_parallel_size=args.pcp,
               tensor_parallel_size=args.tp, decode_context_parallel_size=args.dcp,
               enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
     cfg = llm.config.model
-    prompt = {"prompt_token_ids": np.random.default_rng(0).integers(100, 128000, s).tolist()}
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(100, min(128000, cfg.vocab_size), s).tolist()}
+               for _ in range(args.batch)]
     with llm.engine.client.paused() as core:  # this thread steps the engine core
         weight_bytes = sum(p.numel() * p.element_size()  # rank 0's share of the weights
                            for p in core.executor.driver.runner.model.parameters())
         pool_tokens = core.kv.num_blocks * core.kv.tokens_per_block
-        req, prefill_s, step_times = prefill_and_decode(llm.engine, core, prompt, args.decode)
+        if args.batch > 1:  # prefill them all first; then each decodes from the prefix cache
+            prefill_s = prefill_and_decode(llm.engine, core, prompts, 1)[1]
+        reqs, prefill2_s, step_times = prefill_and_decode(llm.engine, core, prompts, args.decode,
+                                                          args.profile)
+        prefill_s = prefill2_s if args.batch == 1 else prefill_s
     ranks = args.pcp * args.tp
-    flops = 2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS
+    flops = args.batch * (2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS)
     elem = 1 if kv_cache_dtype == "fp8" else 2
-    kv_bytes = s * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    kv_bytes = args.batch * s * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rank_kv = kv_bytes * kv_share(cfg.num_kv_heads, args.tp, args.dcp, args.pcp)
     floor_ms = 1e3 * (weight_bytes + rank_kv) / args.bw
     step_ms = 1e3 * float(np.median(step_times))
@@ -82,14 +108,14 @@ def run(args, kv_cache_dtype: str) -> float:
     print(f"device: {torch.cuda.get_device_name()} x {ranks} (pcp={args.pcp}, tp={args.tp}, "
           f"dcp={args.dcp}), {args.model}, kv_cache_dtype={kv_cache_dtype}, "
           f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
-    print(f"prompt {s} tokens: prefill {prefill_s:.2f} s, {flops / prefill_s / ranks / 1e12:.0f} TFLOP/s per GPU")
-    print(f"decode: {len(req.output_token_ids)} tokens, median step {step_ms:.2f} ms; floor {floor_ms:.2f} ms "
+    print(f"{args.batch} prompt(s) of {s} tokens: prefill {prefill_s:.2f} s, {flops / prefill_s / ranks / 1e12:.0f} TFLOP/s per GPU")
+    print(f"decode: {len(step_times)} steps of batch {args.batch}, median step {step_ms:.2f} ms; floor {floor_ms:.2f} ms "
           f"({rank_kv / 2**30:.1f} GiB KV + {weight_bytes / 2**30:.1f} GiB weights a rank at "
           f"{args.bw / 1e12:.1f} TB/s): {step_ms / floor_ms:.2f}x")
     print(f"KV of the prompt: {kv_bytes / 2**30:.1f} GiB in all, {rank_kv / 2**30:.1f} GiB per rank; "
           f"one GPU has {gpu_mem / 2**30:.0f} GiB; the pool holds {pool_tokens} tokens")
     llm.shutdown()
-    del llm, core, req
+    del llm, core, reqs
     gc.collect()
     torch.cuda.empty_cache()  # the next run (another KV dtype) gets the whole device
     return step_ms
@@ -104,7 +130,9 @@ def main():
     ap.add_argument("--dcp", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=65536)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="requests, each with a --tokens prompt")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many decode steps (rank 0)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="a comma list: auto, fp8")
     ap.add_argument("--bw", type=float, default=4.2e12, help="HBM bytes/s for the floor (H200: 4.2e12)")
     args = ap.parse_args()

@@ -1,78 +1,139 @@
-"""Decode attention kernel alone: paged_attention_lse at batch 256, against the KV bytes floor.
+"""Decode attention kernel alone: paged_attention_lse (and its split merge) against the KV bytes.
 
-Shapes of the offline workload (Qwen3-0.6B: 16 query / 8 KV heads; Llama-3-8B: 32 / 8;
-head_dim 128, bf16, ~1152 cached tokens a request), for several page (kernel block) sizes.
-GB/s counts the K and V bytes each call must read once.
+Default: the offline workload's shapes at batch 256 (Qwen3-0.6B: 16 query / 8 KV heads;
+Llama-3-8B: 32 / 8; head_dim 128, bf16, ~1152 cached tokens a request) for several page sizes.
+--long: long-context decode, bf16 and FP8 caches: Llama-3-8B at 128K batch 1, and the one-KV-head
+shape (32 query heads on one KV head; tp=2 holds 16 of them over the whole context, tp=2 x dcp=2
+all 32 over half) at 128K batch 1 and 64 x 32K. --fp8-sweep / --split-sweep: the FP8 kernel's
+knobs and the split count. Each call is replayed in a CUDA graph; GB/s counts the K and V bytes
+a call must read once (the split partials it writes and merges are overhead, not counted).
 """
 import argparse
+import itertools
 
 import torch
 
-from longserve.attention.triton_kernels import paged_attention_lse
+from longserve.attention import triton_kernels as tk
 
 
-def bench(hq, hkv, page, reqs, ctx, iters=50):
-    d, dev = 128, "cuda"
-    blocks_per_req = -(-ctx // page)
-    n_blocks = reqs * blocks_per_req + 8
+def make_case(hq, hkv, page, reqs, ctx, fp8, dev="cuda"):
+    d = 128
+    per_req = -(-ctx // page)
+    n_blocks = reqs * per_req + 8
     k = torch.randn(n_blocks, page, hkv, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    table = torch.randperm(n_blocks - 8, device=dev, dtype=torch.int32)[:reqs * blocks_per_req]
-    table = table.view(reqs, blocks_per_req)
-    q = torch.randn(reqs, hq, d, device=dev, dtype=torch.bfloat16)
-    qsl = torch.arange(reqs + 1, device=dev, dtype=torch.int32)
-    lens = torch.full((reqs,), ctx, device=dev, dtype=torch.int32)
-    call = lambda: paged_attention_lse(q, k, v, table, qsl, lens, d ** -0.5, 1)
-    for _ in range(3):
+    kv_scale = None
+    if fp8:  # values within e4m3's range, scale 1
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        kv_scale = torch.ones(2, hkv, device=dev)
+    table = torch.randperm(n_blocks - 8, device=dev, dtype=torch.int32)[:reqs * per_req]
+    return dict(q=torch.randn(reqs, hq, d, device=dev, dtype=torch.bfloat16), k_cache=k, v_cache=v,
+                block_table=table.view(reqs, per_req), kv_lens=torch.full((reqs,), ctx, device=dev, dtype=torch.int32),
+                query_start_loc=torch.arange(reqs + 1, device=dev, dtype=torch.int32),
+                scale=d ** -0.5, max_query_len=1, kv_scale=kv_scale)
+
+
+def timed_us(call, iters=50):
+    """Median of `iters` replays of call captured in a CUDA graph (launch overhead excluded)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         call()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
         start.record()
-        call()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = sorted(times)[len(times) // 2]
-    gb = 2 * reqs * ctx * hkv * d * 2 / 1e9
-    return ms, gb / (ms / 1e3)
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
-def sweep(page, reqs, ctx):
-    """Decode tile configurations (BLOCK_N, num_warps, num_stages) at one page size."""
-    from longserve.attention import triton_kernels as tk
-    original = tk._attn_tiles
-    results = []
-    for block_n in (16, 32, 64, 128):
-        for warps in (2, 4, 8):
-            for stages in (2, 3, 4):
-                tk._attn_tiles = lambda *a, bn=block_n, w=warps, st=stages: (1, 16, bn, 128, w, st)
-                try:
-                    ms, gbs = bench(16, 8, page, reqs, ctx, iters=20)
-                except Exception as e:  # out of shared memory, ...
-                    continue
-                results.append((ms, block_n, warps, stages, gbs))
-    tk._attn_tiles = original
-    for ms, bn, w, st, gbs in sorted(results)[:4]:
-        print(f"| sweep page {page} | BLOCK_N {bn}, warps {w}, stages {st} | {1e3 * ms:.1f} | {gbs:.0f} |",
-              flush=True)
+def bench(hq, hkv, page, reqs, ctx, fp8=False, splits=None, iters=50):
+    case = make_case(hq, hkv, page, reqs, ctx, fp8)
+    us = timed_us(lambda: tk.paged_attention_lse(**case, num_kv_splits=splits), iters)
+    gb = 2 * reqs * ctx * hkv * 128 * (1 if fp8 else 2) / 1e9
+    return us, gb / (us / 1e6)
+
+
+def default_splits(hkv, reqs, ctx):
+    return tk._default_num_kv_splits(reqs * hkv, ctx, torch.device("cuda"))
+
+
+LONG = [  # (name, q heads, KV heads, requests, context)
+    ("Llama-3-8B, 128K", 32, 8, 1, 131072),
+    ("1 KV head, tp=2, 128K", 16, 1, 1, 131072),
+    ("1 KV head, tp=2 x dcp=2 (a shard), 128K", 32, 1, 1, 65536),
+    ("1 KV head, tp=2, 64 x 32K", 16, 1, 64, 32768),
+    ("1 KV head, tp=2 x dcp=2 (a shard), 64 x 32K", 32, 1, 64, 16384),
+]
+
+
+def long_table(page):
+    print("\n| shape | KV | splits | us | KV GB/s |\n| --- | --- | --- | --- | --- |")
+    for name, hq, hkv, reqs, ctx in LONG:
+        for fp8 in (False, True):
+            us, gbs = bench(hq, hkv, page, reqs, ctx, fp8)
+            print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {default_splits(hkv, reqs, ctx)} | {us:.1f} | {gbs:.0f} |",
+                  flush=True)
+
+
+def fp8_sweep(page):
+    """FP8 split decode: dot in fp16 or bf16, tile length, warps, stages (Llama-3-8B 128K and the
+    one-KV-head shard under load); the best four of each shape, and bf16's default for reference."""
+    saved = tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16
+    for name, hq, hkv, reqs, ctx in (LONG[0], LONG[4]):
+        bf_us, bf_gbs = bench(hq, hkv, page, reqs, ctx)
+        rows = []
+        for f16, bn, warps, stages in itertools.product((True, False), (64, 128), (4, 8), (2, 3)):
+            tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = (bn, warps, stages), f16
+            try:
+                rows.append((*bench(hq, hkv, page, reqs, ctx, True, iters=20), f16, bn, warps, stages))
+            except Exception as e:  # out of shared memory, ...
+                print(f"| {name} | fp16 dot {f16}, BLOCK_N {bn}, {warps} warps, {stages} stages | {type(e).__name__} |")
+        print(f"\n{name}: bf16 default {bf_us:.1f} us ({bf_gbs:.0f} GB/s)\n"
+              "| fp16 dot | BLOCK_N | warps | stages | us | KV GB/s |\n| --- | --- | --- | --- | --- | --- |")
+        for us, gbs, f16, bn, warps, stages in sorted(rows)[:4]:
+            print(f"| {f16} | {bn} | {warps} | {stages} | {us:.1f} | {gbs:.0f} |", flush=True)
+    tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = saved
+
+
+def split_sweep(page):
+    """The split count around the default, per long shape, bf16 (partials and their merge grow
+    with splits x query heads: the one-KV-head shapes feel it most)."""
+    print("\n| shape | KV | splits | us | KV GB/s |\n| --- | --- | --- | --- | --- |")
+    for (name, hq, hkv, reqs, ctx), fp8 in itertools.product(LONG, (False,)):
+        base = default_splits(hkv, reqs, ctx)
+        for s in sorted({max(1, base // 4), max(1, base // 2), base, base * 2, base * 4}):
+            us, gbs = bench(hq, hkv, page, reqs, ctx, fp8, splits=s, iters=20)
+            mark = " (default)" if s == base else ""
+            print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {s}{mark} | {us:.1f} | {gbs:.0f} |", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reqs", type=int, default=256)
     ap.add_argument("--ctx", type=int, default=1152)
-    ap.add_argument("--sweep", action="store_true", help="also try decode tile configurations")
+    ap.add_argument("--page", type=int, default=16, help="kernel block size of the long shapes")
+    ap.add_argument("--long", action="store_true", help="only the long-context table")
+    ap.add_argument("--fp8-sweep", action="store_true")
+    ap.add_argument("--split-sweep", action="store_true")
     args = ap.parse_args()
-    print(f"\n### Decode attention, {args.reqs} requests x {args.ctx} tokens ({torch.cuda.get_device_name()})\n")
-    print("| heads (q/kv) | page | median (us) | KV read GB/s |\n| --- | --- | --- | --- |")
-    for hq, hkv in ((16, 8), (32, 8)):
-        for page in (16, 32, 64, 128):
-            ms, gbs = bench(hq, hkv, page, args.reqs, args.ctx)
-            print(f"| {hq}/{hkv} | {page} | {1e3 * ms:.1f} | {gbs:.0f} |", flush=True)
-    if args.sweep:
-        for page in (16, 32):
-            sweep(page, args.reqs, args.ctx)
+    print(f"\n### Decode attention ({torch.cuda.get_device_name()})")
+    if not (args.long or args.fp8_sweep or args.split_sweep):
+        print(f"\n{args.reqs} requests x {args.ctx} tokens\n\n| heads (q/kv) | page | median (us) | KV read GB/s |"
+              "\n| --- | --- | --- | --- |")
+        for (hq, hkv), page in itertools.product(((16, 8), (32, 8)), (16, 32, 64, 128)):
+            us, gbs = bench(hq, hkv, page, args.reqs, args.ctx)
+            print(f"| {hq}/{hkv} | {page} | {us:.1f} | {gbs:.0f} |", flush=True)
+    if args.long:
+        long_table(args.page)
+    if args.fp8_sweep:
+        fp8_sweep(args.page)
+    if args.split_sweep:
+        split_sweep(args.page)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,15 @@ ROWS = {  # name -> how it runs (LongServe rows: mode prefill = prompt_logprobs 
                                                mode="decode", kv_cache_dtype="fp8"),
     "longserve-fp32-fp8kv-graphs-decode": dict(engine="longserve", dtype="float32", eager=False,
                                                mode="decode", kv_cache_dtype="fp8"),
+    # the FP8 cache over parallel layouts, float32 elsewhere (runs on CPU ranks): the reduction
+    # order differs by layout, the cache's rounding should not (FP8_LAYOUTS' spread)
+    **{f"longserve-fp32-fp8kv-eager-decode{tag}": dict(engine="longserve", dtype="float32", eager=True,
+                                                       mode="decode", kv_cache_dtype="fp8", parallel=par)
+       for tag, par in [("", {}), ("-tp3", dict(tensor_parallel_size=3)),
+                        ("-tp3-dcp3", dict(tensor_parallel_size=3, decode_context_parallel_size=3)),
+                        ("-pcp2", dict(prefill_context_parallel_size=2))]},
 }
+FP8_LAYOUTS = [name for name in ROWS if name.startswith("longserve-fp32-fp8kv-eager-decode")]
 
 PLAIN = [
     "The capital of France is", "Water boils at a temperature of", "The three primary colors are",
@@ -253,7 +261,9 @@ def summarize(parts: list[dict], cont_masks: list[torch.Tensor]) -> dict:
     cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     cont = torch.cat(cont_masks)
     dlp = cat["dlp"]
+    per_seq = torch.stack([p["kl"].mean() for p in parts])  # the noise: sequences, not positions
     return dict(positions=len(dlp), top1=cat["top1"].mean().item(), kl_mean=cat["kl"].mean().item(),
+                kl_seq_se=(per_seq.std() / len(parts) ** 0.5).item(),
                 dlp_max=dlp.nan_to_num(0).max().item(), dlp_mean=dlp[~dlp.isnan()].mean().item(),
                 dlp_missing=int(dlp.isnan().sum()), top1_cont=cat["top1"][cont].mean().item(),
                 kl_mean_cont=cat["kl"][cont].mean().item())
@@ -281,6 +291,19 @@ def markdown(results: dict, meta: dict) -> str:
                      f"{r['dlp_mean']:.2e} | {r['top1_cont']:.4f} | {r['kl_mean_cont']:.2e} | "
                      f"{r['seconds']:.1f} |")
     return "\n".join(lines)
+
+
+def fp8_layout_spread(results: dict) -> str:
+    """The FP8 cache's KL over layouts: their largest / smallest mean, and the noise (the
+    standard error over sequences) to judge it by; they should agree (ratio < 1.5)."""
+    rows = {n: results[n] for n in FP8_LAYOUTS if n in results and "error" not in results[n]}
+    if len(rows) < 2:
+        return ""
+    kl = {n: r["kl_mean"] for n, r in rows.items()}
+    se = max(r["kl_seq_se"] for r in rows.values())
+    return (f"\n\nFP8 cache over layouts ({len(rows)} rows): mean KL {min(kl.values()):.2e} .. "
+            f"{max(kl.values()):.2e}, max / min {max(kl.values()) / min(kl.values()):.2f}; "
+            f"standard error over sequences <= {se:.1e}")
 
 
 class Reference:
@@ -372,7 +395,7 @@ def main():
                 torch=torch.__version__, kinds=[kind for kind, _ in prompts],
                 tf32=dict(matmul=torch.backends.cuda.matmul.allow_tf32,
                           cudnn=torch.backends.cudnn.allow_tf32))
-    table = markdown(results, meta)
+    table = markdown(results, meta) + fp8_layout_spread(results)
     print(table)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

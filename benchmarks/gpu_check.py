@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longserve import LLM, SamplingParams
-from longserve.attention.cp_attention import exchange_partials, merge_partials
+from longserve.attention.cp_attention import exchange_partials, merge_partials, pack_partial
 from longserve.distributed.parallel_state import GroupCoordinator
 
 
@@ -175,7 +175,7 @@ def _cp_merge_rank(rank, world, port, results):
         lse.fill_(float("-inf"))  # an empty shard
     res = {}
     for tag, dcp, scatter in [("dcp", world, True), ("pcp", 1, False)]:
-        new = lambda: merge_partials(exchange_partials(out, lse, g, dcp), torch.float32)[0]  # noqa: E731
+        new = lambda: merge_partials(exchange_partials(pack_partial(out, lse), g, dcp), torch.float32)[0]  # noqa: E731
         old = lambda: old_merge(out, lse, g, scatter)  # noqa: E731
         err = (new() - old()).abs().max().item()
         graph_err = (graphed(new)() - old()).abs().max().item()

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dist_utils import run_distributed
-from longserve.attention.cp_attention import exchange_partials, merge_attn_states, merge_partials
+from longserve.attention.cp_attention import (exchange_partials, merge_attn_states, merge_partials,
+                                              pack_partial)
 from longserve.config import ParallelConfig
 from longserve.distributed.parallel_state import GroupCoordinator, build_parallel_state
 
@@ -47,7 +48,8 @@ shardings = st.tuples(
 
 
 class Recorder:
-    """A CP group of one rank that keeps what it would send (the all-to-all is done by hand)."""
+    """A CP group of one rank that keeps what it would send to each rank (the collective is
+    done by hand): [W, ...], piece j for rank j."""
     def __init__(self, world_size):
         self.world_size = world_size
 
@@ -55,13 +57,17 @@ class Recorder:
         self.sent = x
         return x
 
+    def all_gather(self, x, dim):
+        self.sent = x.expand(self.world_size, *x.shape)
+        return torch.cat([x] * self.world_size, dim)
+
 
 def exchange_by_hand(parts, pcp, dcp, row_split):
     """Every rank's exchange_partials input, then what each rank receives: [W, ...] by rank."""
     sent = []
     for out, lse in parts:
         group = Recorder(pcp * dcp)
-        exchange_partials(out, lse, group, dcp, row_split)
+        exchange_partials(pack_partial(out, lse), group, dcp, row_split)
         sent.append(group.sent)
     return [torch.stack([sent[src][dst] for src in range(pcp * dcp)]) for dst in range(pcp * dcp)]
 
@@ -103,7 +109,7 @@ def test_merge_partials_half_precision():
 
 def test_exchange_refuses_rows_or_heads_that_do_not_divide():
     with pytest.raises(ValueError, match="divide"):
-        exchange_partials(torch.zeros(3, 4, 2), torch.zeros(3, 4), Recorder(2), 1, 2)
+        exchange_partials(torch.zeros(3, 4, 3), Recorder(2), 1, 2)
 
 
 @settings(max_examples=150, deadline=None)
@@ -157,7 +163,7 @@ def _exchange_on_ranks(rank, world_size, pcp, dcp):
     for row_split in (1, pcp):
         p = r // dcp if row_split > 1 else 0
         rows = slice(p * T // row_split, (p + 1) * T // row_split)
-        got, got_lse = merge_partials(exchange_partials(out, lse, state.cp, dcp, row_split),
+        got, got_lse = merge_partials(exchange_partials(pack_partial(out, lse), state.cp, dcp, row_split),
                                       torch.float32)
         errors[f"out/{row_split}"] = (got.double() - ref_out[rows, heads]).abs().max().item()
         errors[f"lse/{row_split}"] = (got_lse.double() - ref_lse[rows, heads]).abs().max().item()
@@ -173,5 +179,5 @@ def test_cp_exchange_over_gloo(pcp, dcp):
 
 def test_size_one_group_is_the_identity():
     out, lse = torch.randn(2, 2, 3), torch.randn(2, 2)
-    got = exchange_partials(out, lse, GroupCoordinator([0], 0), 1)
+    got = exchange_partials(pack_partial(out, lse), GroupCoordinator([0], 0), 1)
     assert torch.equal(got[0, ..., :-1], out) and torch.equal(got[0, ..., -1], lse)

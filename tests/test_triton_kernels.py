@@ -280,6 +280,20 @@ def check_merge_partials(device="cpu", dtype=torch.float32, S=4, T=9, H=3, D=24)
     torch.testing.assert_close(lse.cpu()[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
 
 
+def check_attention_packed(device="cpu", dtype=torch.bfloat16, G=8, D=16, B=4, Hkv=1):
+    """out / lse given as views of one [T, Hq, D + 1] float32 tensor (the CP exchange's
+    layout), with and without splits: the same values as the kernel's own buffers."""
+    tk = _kernels()
+    case = make_attention_case([37, 0, 9], [1, 1, 1], Hkv, G, D, B, dtype, device, seed=8)
+    for splits in (1, 3):
+        out, lse = tk.paged_attention_lse(**case, num_kv_splits=splits)
+        packed = torch.full((3, Hkv * G, D + 1), math.nan, device=device)
+        got = tk.paged_attention_lse(**case, num_kv_splits=splits, out=packed[..., :-1], lse=packed[..., -1])
+        assert got[0].data_ptr() == packed.data_ptr()
+        torch.testing.assert_close(packed[..., :-1], out.float(), atol=_tol(dtype), rtol=_tol(dtype))
+        assert torch.equal(packed[..., -1], lse)
+
+
 INTERPRETER_CHECKS = {
     "store_kv_fp32": lambda: check_store_kv(),
     "store_kv_bf16": lambda: check_store_kv(dtype=torch.bfloat16),
@@ -301,6 +315,8 @@ INTERPRETER_CHECKS = {
     "merge_bf16": lambda: check_merge(dtype=torch.bfloat16),
     "merge_partials": lambda: check_merge_partials(),
     "merge_partials_bf16_s2": lambda: check_merge_partials(dtype=torch.bfloat16, S=2),
+    "merge_partials_d72_s70": lambda: check_merge_partials(S=70, D=72),  # D slices, S chunks
+    "attention_packed": lambda: check_attention_packed(),
 }
 
 

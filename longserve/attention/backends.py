@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from longserve.attention.cp_attention import exchange_partials, merge_attn_states, merge_partials
+from longserve.attention.cp_attention import (exchange_partials, merge_attn_states, merge_partials,
+                                              pack_partial)
 from longserve.attention.kv_cache_spec import MultipleOf
 from longserve.attention.kv_quant import dequantize_kv, quantize_kv
 from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
@@ -72,8 +73,10 @@ class TorchAttentionBackend:
             meta.step_kv[layer.layer_idx] = (k, v)
         else:  # cross-layer KV sharing: the target's K/V, for the new tokens and the cache alike
             k, v = meta.step_kv[layer.kv_sharing_target]
-        out = torch.empty_like(q) if out is None else out
         nd = meta.num_decode_tokens
+        if nd and nd == meta.num_tokens and out is None:  # pure decode: its result is the output
+            return self.sharded_paged_attention(layer, q, meta.decode, ps, False)[0]
+        out = torch.empty_like(q) if out is None else out
         if nd:
             out[:nd] = self.sharded_paged_attention(layer, q[:nd], meta.decode, ps, False)[0]
         if meta.num_tokens > nd:
@@ -136,13 +139,16 @@ class TorchAttentionBackend:
         """
         if ps.dcp.world_size > 1:  # the DCP group's heads: they share the KV heads stored here
             q = ps.dcp.all_gather(q, 1)
-        out, lse = self.paged_attention(q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale,
-                                        layer.kv_scale)
+        args = (q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale, layer.kv_scale)
         if ps.cp.world_size == 1:
-            return out, lse
-        parts = exchange_partials(out, lse, ps.cp, ps.dcp.world_size,
+            return self.paged_attention(*args)
+        parts = exchange_partials(self.packed_paged_attention(*args), ps.cp, ps.dcp.world_size,
                                   ps.pcp.world_size if rows_split else 1)
         return self.merge_partials(parts, q.dtype)
+
+    def packed_paged_attention(self, *args):
+        """paged_attention's (out, lse) as one [N, H, D + 1] float32 tensor (pack_partial)."""
+        return pack_partial(*self.paged_attention(*args))
 
     # ---- primitives (reference versions) ---------------------------------------------------
     @staticmethod
@@ -217,13 +223,22 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return merge_partials_triton(parts, dtype)
 
     @staticmethod
-    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
-        if part.max_query_len >= DENSE_PREFIX_MIN_ROWS and q.dtype in (torch.float16, torch.bfloat16) \
-                and q.is_cuda:
+    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None, out=None, lse=None):
+        """out / lse (with packed_paged_attention): where the Triton kernel writes."""
+        if _dense_prefix(q, part) and out is None:
             return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
         from longserve.attention.triton_kernels import paged_attention_lse
         return paged_attention_lse(q, k_cache, v_cache, part.block_table, part.query_start_loc,
-                                   part.kv_lens, scale, part.max_query_len, kv_scale=kv_scale)
+                                   part.kv_lens, scale, part.max_query_len, kv_scale=kv_scale,
+                                   out=out, lse=lse)
+
+    def packed_paged_attention(self, q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
+        """The kernel writes out and LSE straight into the exchange's layout: no cast, no cat."""
+        if _dense_prefix(q, part):
+            return super().packed_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
+        packed = torch.empty(*q.shape[:2], q.shape[2] + 1, dtype=torch.float32, device=q.device)
+        self.paged_attention(q, k_cache, v_cache, part, scale, kv_scale, packed[..., :-1], packed[..., -1])
+        return packed
 
     def suffix_attention(self, q, k, v, meta: AttentionMetadata, scale, need_lse):
         """The requests' chunks (no PCP) in one flash varlen call instead of one call each; a
@@ -297,6 +312,11 @@ def _folded_gqa(q, k, v, scale):
 # the request's cached K/V into one contiguous tensor costs a copy of the shard (~1 ms for
 # 256K tokens) and buys the fused dense kernel's speed (cuDNN ~600 TFLOP/s on H200).
 DENSE_PREFIX_MIN_ROWS = 128
+
+
+def _dense_prefix(q, part: PagedPart) -> bool:
+    return part.max_query_len >= DENSE_PREFIX_MIN_ROWS and q.dtype in (torch.float16, torch.bfloat16) \
+        and q.is_cuda
 
 
 # Below this many (query row x key) pairs per request, attention costs less than cuDNN's

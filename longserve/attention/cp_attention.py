@@ -30,25 +30,32 @@ def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(w > 0, out.float() * w, 0.0)
 
 
-def exchange_partials(out: torch.Tensor, lse: torch.Tensor, cp_group, dcp: int,
-                      row_split: int = 1) -> torch.Tensor:
-    """The CP merge's one collective: every rank's partial (out, lse) of the rows and heads
-    this rank keeps, by a single all-to-all over the CP group (rank p * dcp + r).
+def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """out [N, H, D], lse [N, H] -> [N, H, D + 1] float32, the LSE last: what the exchange
+    sends (the Triton decode kernel writes this layout directly)."""
+    return torch.cat([out.float(), lse.float().unsqueeze(-1)], -1)
 
-    out [N, Hg, D], lse [N, Hg] of this rank's KV shard for the same queries on every rank:
-    Hg = the DCP group's heads (rank r keeps the r-th 1/dcp), N = the rows (row_split =
+
+def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int = 1) -> torch.Tensor:
+    """The CP merge's one collective: every rank's partial (out, lse) of the rows and heads
+    this rank keeps, over the CP group (rank p * dcp + r).
+
+    packed [N, Hg, D + 1] (`pack_partial`) of this rank's KV shard for the same queries on every
+    rank: Hg = the DCP group's heads (rank r keeps the r-th 1/dcp), N = the rows (row_split =
     pcp: rows were PCP-gathered, PCP rank p keeps the p-th 1/pcp; 1: every rank keeps all).
-    Returns [W, N / row_split, Hg / dcp, D + 1] float32, source rank first, its LSE in the
-    last column (`merge_partials`). Replaces an LSE all-gather plus an all-reduce over PCP
-    and a reduce-scatter over DCP: 1 collective instead of 2-3, static shapes, no host sync.
+    Returns [W, N / row_split, Hg / dcp, D + 1] float32 (maybe a strided view), source rank
+    first, its LSE in the last column (`merge_partials`). One all-to-all; an all-gather when
+    every rank keeps everything (PCP decode: no copy of W identical pieces). Replaces an LSE
+    all-gather plus an all-reduce over PCP and a reduce-scatter over DCP.
     """
-    (N, Hg, D), W = out.shape, cp_group.world_size
+    (N, Hg, E), W = packed.shape, cp_group.world_size
     if N % row_split or Hg % dcp:
         raise ValueError(f"{N} rows / {Hg} heads must divide by {row_split} / dcp={dcp}")
-    packed = torch.cat([out.float(), lse.float().unsqueeze(-1)], -1)
-    parts = packed.view(row_split, N // row_split, dcp, Hg // dcp, D + 1).transpose(1, 2)
-    parts = parts.expand(W // dcp, dcp, N // row_split, Hg // dcp, D + 1)  # rank p*dcp+r's piece
-    return cp_group.all_to_all(parts.reshape(W, N // row_split, Hg // dcp, D + 1))
+    if dcp == 1 and row_split == 1:
+        return cp_group.all_gather(packed, 0).view(W, N, Hg, E)
+    parts = packed.view(row_split, N // row_split, dcp, Hg // dcp, E).transpose(1, 2)
+    parts = parts.expand(W // dcp, dcp, N // row_split, Hg // dcp, E)  # rank p*dcp+r's piece
+    return cp_group.all_to_all(parts.reshape(W, N // row_split, Hg // dcp, E))
 
 
 def merge_partials(parts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

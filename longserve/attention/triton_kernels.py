@@ -170,6 +170,7 @@ def _paged_attn_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PAD_PER_REQ: tl.constexpr, SPLIT_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -195,6 +196,8 @@ def _paged_attn_kernel(
     md_ok = row_ok[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + row.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=md_ok, other=0.0)  # [M, D]
+    if DOT_F16:  # every tile's K, P and V follow q's dtype (see FP8_DOT_F16)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # this split's share of the request's KV, in whole tiles
     kv_len = tl.load(kv_lens_ptr + req)
@@ -254,6 +257,7 @@ def _merge_splits_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D  # this program's slice of head_dim
     lse_row = part_lse_ptr + t * stride_qt + h * stride_qh
     out_row = part_out_ptr + t * stride_pt + h * stride_ph
     s = tl.arange(0, BLOCK_S).to(tl.int64)
@@ -261,7 +265,7 @@ def _merge_splits_kernel(
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.sum(tl.exp(lse - m), axis=0)  # empty splits weigh 0
-    d = tl.arange(0, BLOCK_D)
+    d = d0 + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, NUM_SPLITS, CHUNK_S):
         sc = (s0 + tl.arange(0, CHUNK_S)).to(tl.int64)
@@ -273,8 +277,9 @@ def _merge_splits_kernel(
     denom_safe = tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / denom_safe).to(out_ptr.dtype.element_ty),
              mask=d < D)
-    tl.store(lse_ptr + t * stride_lt + h * stride_lh,
-             tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
+    if d0 == 0:
+        tl.store(lse_ptr + t * stride_lt + h * stride_lh,
+                 tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -326,6 +331,18 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 
+# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages)
+# by cache dtype. bf16 on H100 at 128K: 4 warps / 2 stages, 2.79 TB/s of KV (2 / 3: 2.65).
+# FP8 read 1.9 TB/s with the bf16 settings; benchmarks/bench_decode_attn.py --fp8-sweep tries
+# longer tiles (the same bytes a tile as bf16's) and the fp16 dot below.
+SPLIT_DECODE = (64, 4, 2)
+SPLIT_DECODE_FP8 = (64, 4, 2)
+# FP8 cache with bf16 queries: dot in fp16. e4m3 -> fp16 is one cvt per two values on sm_90,
+# -> bf16 goes through fp16 and fp32 (three more per pair), on every K and V element read;
+# fp16 holds every e4m3 value and every bf16 query in [-65504, 65504] exactly (q is clamped).
+FP8_DOT_F16 = True
+
+
 def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
     """Where the kernel writes: straight into (out, lse) with one split (split stride 0),
     else float32 partials [splits, T, Hq, D] / [splits, T, Hq] for `_merge_kv_splits`."""
@@ -338,14 +355,17 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 
 
 def _merge_kv_splits(o_buf, l_buf, out, lse) -> None:
-    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]."""
+    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]. A program per
+    (row, head, 32 of head_dim) loading [64 splits, 32] a step: batch 1 with 32 heads over 256
+    splits was 32 programs walking 16 dependent steps each (a latency-bound tail of decode)."""
     num_kv_splits, T, Hq, D = o_buf.shape
-    _merge_splits_kernel[(T, Hq)](
+    BLOCK_D = min(32, triton.next_power_of_2(D))
+    _merge_splits_kernel[(T, Hq, triton.cdiv(D, BLOCK_D))](
         o_buf, l_buf, out, lse,
         *o_buf.stride()[:3], *l_buf.stride(),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         NUM_SPLITS=num_kv_splits, D=D, BLOCK_S=triton.next_power_of_2(num_kv_splits),
-        CHUNK_S=min(16, triton.next_power_of_2(num_kv_splits)), BLOCK_D=triton.next_power_of_2(D),
+        CHUNK_S=min(64, triton.next_power_of_2(num_kv_splits)), BLOCK_D=BLOCK_D,
         num_warps=4,
     )
 
@@ -364,8 +384,9 @@ def merge_partials_triton(parts: torch.Tensor, dtype: torch.dtype):
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_table: torch.Tensor, query_start_loc: torch.Tensor,
                         kv_lens: torch.Tensor, scale: float, max_query_len: int,
-                        num_kv_splits: int | None = None,
-                        kv_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        num_kv_splits: int | None = None, kv_scale: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None,
+                        lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of each request's query rows over its first kv_lens[r] cached tokens.
 
     q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks] int32;
@@ -373,7 +394,8 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lse [T, Hq] float32 (natural log). Rows outside query_start_loc[0]:query_start_loc[R]
     are left unwritten. max_query_len (>= the longest request's row count) only picks the
     tiling; num_kv_splits=None picks the split count from shapes. kv_scale [2, Hkv] float32:
-    an FP8 cache's per-head K and V scales (dequantized in the kernel). Graph-capturable.
+    an FP8 cache's per-head K and V scales (dequantized in the kernel). out [T, Hq, D] / lse
+    [T, Hq]: where to write (any dtype / strides, last dim contiguous). Graph-capturable.
     """
     T, Hq, D = q.shape
     _, B, Hkv, Dk = k_cache.shape
@@ -381,8 +403,8 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert Dk == D and Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert v_cache.stride() == k_cache.stride() and query_start_loc.shape[0] == R + 1
     G = Hq // Hkv
-    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device) if lse is None else lse
     if T == 0 or R == 0:
         return out, lse
 
@@ -396,8 +418,8 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
         num_kv_splits = _default_num_kv_splits(busy, block_table.shape[1] * B, q.device)
 
-    if on_gpu and BLOCK_Q == 1 and num_kv_splits > 1:  # long-context decode: 4 warps, 2 stages
-        num_warps, num_stages = 4, 2  # (an FP8 cache at 128K: 144 us against 248 with 2 and 3)
+    if on_gpu and BLOCK_Q == 1 and num_kv_splits > 1:  # long-context decode
+        BLOCK_N, num_warps, num_stages = SPLIT_DECODE if kv_scale is None else SPLIT_DECODE_FP8
     o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
     _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, kv_scale,
@@ -412,6 +434,7 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
         DOT_UPCAST=not on_gpu or os.environ.get("TRITON_INTERPRET") == "1",
         KV_FP8=kv_scale is not None, num_warps=num_warps, num_stages=num_stages,
+        DOT_F16=FP8_DOT_F16 and kv_scale is not None and q.dtype == torch.bfloat16,
     )
     if num_kv_splits > 1:
         _merge_kv_splits(o_buf, l_buf, out, lse)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from longserve.config import ParallelConfig
+from longserve.distributed import symm_all_reduce
 
 logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0  # closing the groups with every rank present takes well under a second
@@ -92,6 +93,7 @@ class GroupCoordinator:
         self.world_size = len(ranks)
         self.device_group = device_group
         self.cpu_group = cpu_group  # gloo, for Python objects and CPU tensors
+        self.symm = None  # small collectives over NVLink (distributed/symm_all_reduce.py)
 
     @property
     def is_first_rank(self) -> bool:
@@ -101,7 +103,8 @@ class GroupCoordinator:
         return dist.get_backend(self.device_group) == "gloo"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
+        """Sum over ranks, in place (a small CUDA tensor through symmetric memory)."""
+        if self.world_size == 1 or (self.symm is not None and self.symm.all_reduce(x)):
             return x
         dist.all_reduce(x, group=self.device_group)
         return x
@@ -111,6 +114,9 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         x = x.contiguous()
+        small = None if self.symm is None else self.symm.gather(x)  # [W, *x.shape]
+        if small is not None:
+            return small.flatten(0, 1) if dim == 0 else torch.cat(small.unbind(0), dim=dim)
         if self._is_gloo():
             parts = [torch.empty_like(x) for _ in range(self.world_size)]
             dist.all_gather(parts, x, group=self.device_group)
@@ -139,10 +145,14 @@ class GroupCoordinator:
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [world_size, ...]: x[j] goes to rank j; returns rank j's piece for this rank at [j]
-        (all_to_all_single: one NCCL call, graph-capturable; gloo has it on CPU too)."""
+        (all_to_all_single: one NCCL call, graph-capturable; gloo has it on CPU too; a small
+        one gathers every rank's x through symmetric memory and returns a strided view)."""
         if self.world_size == 1:
             return x
         x = x.contiguous()
+        small = None if self.symm is None else self.symm.gather(x)  # [W_src, W_dst, ...]
+        if small is not None:
+            return small[:, self.rank_in_group]
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=self.device_group)
         return out
@@ -215,6 +225,11 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
                                        timeout=IDLE_TIMEOUT if kind == "model" else timeout)
             if rank in ranks:
                 mine[kind] = GroupCoordinator(ranks, rank, device_group, cpu_group)
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+        for kind in ("tp", "pcp", "dcp", "cp"):  # the groups of a decode step's collectives
+            if mine[kind].world_size > 1:
+                mine[kind].symm = symm_all_reduce.create(mine[kind].device_group, device)
     return ParallelState(layout, **mine)
 
 
