@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -45,6 +46,20 @@ def wait_gone(pids: list[int], timeout: float = 15) -> bool:
     while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return all(gone(p) for p in pids)
+
+
+def concurrently(fn, n: int, timeout: float = 120) -> list:
+    """[fn(0), ..., fn(n - 1)], each on a thread of its own (concurrent requests)."""
+    out = [None] * n
+
+    def one(i):
+        out[i] = fn(i)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out
 
 
 class Server:

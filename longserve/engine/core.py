@@ -51,16 +51,20 @@ class EngineCore:
 
     def _warm_up(self) -> None:
         """Run the step shapes of a light load once: a lone prompt, a prompt beside a decode,
-        a prefix hit. Triton compiles a kernel per specialization (a count of 1, a multiple
-        of 16) on its first use, ~0.5 s that would otherwise land in a request's TTFT."""
+        a prefix hit, and the sampler's paths (greedy alone, beside a sampled request with
+        top-k, top-p, a seed and logprobs). Triton compiles a kernel per specialization (a
+        count of 1, a multiple of 16) on its first use, ~0.5 s that would otherwise land in a
+        request's TTFT."""
         from longserve.sampling_params import SamplingParams
         n = max(16, min(1024, self.config.scheduler.max_model_len // 2) // 16 * 16)
-        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                  SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0, logprobs=1,
+                                 max_tokens=3, ignore_eos=True)]
         # token counts that are and are not multiples of 16 (Triton specializes on both)
         rounds = [[[7] * n], [[8] * (n // 2 + 1), [7] * n + [9] * 3], [[9] * 16, [5] * 33]]
         for r, prompts in enumerate(rounds):
             for i, ids in enumerate(prompts):
-                self.add_request(EngineCoreRequest(f"warm-up-{r}-{i}", ids, params))
+                self.add_request(EngineCoreRequest(f"warm-up-{r}-{i}", ids, params[i]))
             for _ in range(2):  # their prefill, then a decode beside the next round's
                 self.step()
         while self.has_work():

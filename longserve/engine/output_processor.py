@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, replace
 from longserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from longserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from longserve.engine.request import CompletionOutput, RequestOutput
-from longserve.engine.stats import EngineStats
 
 
 class EngineDeadError(RuntimeError):
@@ -130,7 +129,7 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, decode):
         self.decode = decode  # token ids -> text
-        self.stats = EngineStats()
+        self.metrics = None  # the server's counters (entrypoints/openai/metrics.py: ServerMetrics)
         self._states: dict[str, RequestState] = {}
         self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by the core's choice id
         self._lock = threading.Lock()
@@ -219,7 +218,8 @@ class OutputProcessor:
         state.num_preemptions += o.num_preemptions
         state.kv_transfer_params = state.kv_transfer_params or o.kv_transfer_params
         state.error = state.error or o.error
-        self.stats.finished[reason] += 1
+        if self.metrics is not None:
+            self.metrics.finished(reason)
         text = choice.text if choice.text is not None else self.decode(choice.output_token_ids)
         choice.output = CompletionOutput(choice.index, text, choice.output_token_ids, reason,
                                          stop_reason, choice.logprobs or None)
@@ -273,20 +273,19 @@ class OutputProcessor:
     def _count_tokens(self, state: RequestState, choice: Choice, n_new: int, now: float) -> None:
         if n_new == 0:
             return
-        stats = self.stats
-        stats.generation_tokens += n_new
-        if state.first_token_time is None:
+        first, m = state.first_token_time is None, self.metrics
+        if first:
             state.first_token_time = now
-            stats.prompt_tokens += state.request.num_prompt_tokens
-            stats.time_to_first_token.observe(now - state.request.arrival_time)
-        elif choice.last_time is not None:
-            for _ in range(n_new):  # tokens that came out together share the gap
-                stats.inter_token_latency.observe((now - choice.last_time) / n_new)
+        if m is not None:
+            if first:
+                m.first_token(state.request.num_prompt_tokens, now - state.request.arrival_time)
+            # tokens that came out together share the gap; a choice's first has none
+            m.tokens(n_new, None if first or choice.last_time is None else (now - choice.last_time) / n_new)
         choice.last_time = now
 
     def _count_finished(self, state: RequestState, now: float) -> None:
-        self.stats.num_preemptions += state.num_preemptions
-        self.stats.e2e_request_latency.observe(now - state.request.arrival_time)
+        if self.metrics is not None:
+            self.metrics.request_done(state.num_preemptions, now - state.request.arrival_time)
 
 
 def _deliver(batch: list[tuple[object, object]]) -> None:
