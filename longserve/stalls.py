@@ -43,7 +43,7 @@ def _log_gc_pause(phase: str, info: dict) -> None:
                        os.getpid(), info["generation"], 1e3 * pause)
 
 
-async def watch_loop_lag(period: float = 0.05) -> None:
+async def watch_loop_lag(period: float = 0.1) -> None:
     """Log every wake-up of this event loop that came over LOOP_LAG_S late (a callback that
     held the loop: its streams stalled that long)."""
     loop = asyncio.get_running_loop()

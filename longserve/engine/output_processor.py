@@ -53,7 +53,7 @@ class StreamOutput:
 
 
 class RequestStream:
-    """One request's outputs, read by a thread (`for out in stream`) or a loop (`async for`);
+    """One request's outputs, read by a thread (`for out in stream`) or a loop (`batches()`);
     it ends when all its `n` choices have. Deltas of a choice that queued up while the
     reader was busy come merged into one."""
 
@@ -86,12 +86,12 @@ class RequestStream:
             if left and error is not None:
                 raise error
 
-    async def __aiter__(self):
+    async def batches(self):
+        """On a loop: lists of what queued up since the last (one merged delta per choice)."""
         left = self.n
         while left:
             outs, error = self._combine(self._drain(await self.queue.get()))
-            for out in outs:
-                yield out
+            yield outs
             left -= sum(o.finished for o in outs)
             if left and error is not None:
                 raise error
