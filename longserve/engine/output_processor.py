@@ -44,12 +44,14 @@ class StreamOutput:
     kv_transfer_params: dict | None = None  # at the end, for a disaggregated decode instance
     error: str | None = None  # at the end: why the request failed alone (finish_reason "error")
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with choice 0's first delta
+    prompt_ranks: list[int | None] | None = None  # and each prompt token's rank (1 = likeliest)
     index: int = 0  # the choice (SamplingParams.n)
 
     def merged(self, later: "StreamOutput") -> "StreamOutput":
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
         return replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
-                       logprobs=logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+                       logprobs=logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+                       prompt_ranks=self.prompt_ranks or later.prompt_ranks)
 
 
 class RequestStream:
@@ -120,6 +122,7 @@ class RequestState:
     holdback: int  # chars kept back while a stop string could still begin in them
     choices: list[Choice]
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
     kv_transfer_params: dict | None = None
@@ -176,7 +179,8 @@ class OutputProcessor:
         if o.new_logprobs:
             choice.logprobs += o.new_logprobs
         if o.prompt_logprobs is not None:
-            state.prompt_logprobs = [None] + list(o.prompt_logprobs)
+            state.prompt_ranks = [None] + [rank for rank, _ in o.prompt_logprobs]
+            state.prompt_logprobs = [None] + [entry for _, entry in o.prompt_logprobs]
         self._count_tokens(state, choice, len(o.new_token_ids), now)
         if choice.detokenizer is None:
             return o.finish_reason is not None
@@ -205,7 +209,7 @@ class OutputProcessor:
                            choice.logprobs[choice.num_sent:n] if params.logprobs is not None else None,
                            state.request.num_prompt_tokens, n, index=choice.index)
         if choice.num_sent == 0 and choice.index == 0:
-            out.prompt_logprobs = state.prompt_logprobs
+            out.prompt_logprobs, out.prompt_ranks = state.prompt_logprobs, state.prompt_ranks
         choice.num_sent, choice.text_sent = n, choice.text_sent + len(text)
         return out
 

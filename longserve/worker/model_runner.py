@@ -68,7 +68,7 @@ class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]]
     kv_connector_output: KVConnectorOutput | None = None
-    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
     # the sampled ids while they are still on their way (request ids, ids); see resolve()
     pending: tuple[list[str], SampledTokens] | None = None
     deferred: tuple | None = None  # (sampling requests, logits): waits for a grammar bitmask

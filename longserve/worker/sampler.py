@@ -69,16 +69,18 @@ class Sampler:
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int],
-                    top_ks: list[int]) -> list[dict[int, float]]:
-    """logits [R, V] float32 of prompt rows -> per row {target: logprob} plus its top-k."""
+                    top_ks: list[int]) -> list[tuple[int, dict[int, float]]]:
+    """logits [R, V] float32 of prompt rows -> per row (the target's rank, 1 = likeliest, also
+    outside the top-k; {target: logprob} plus its top-k)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     k = max(top_ks)
     top = logprobs.topk(k) if k else None
     top_v = top.values.tolist() if k else [[]] * len(targets)
     top_i = top.indices.tolist() if k else [[]] * len(targets)
-    return [{t: c, **dict(zip(ids[:kr], vs[:kr]))}
-            for t, c, kr, vs, ids in zip(targets, chosen, top_ks, top_v, top_i)]
+    return [(r, {t: c, **dict(zip(ids[:kr], vs[:kr]))})
+            for t, c, r, kr, vs, ids in zip(targets, chosen[:, 0].tolist(), ranks, top_ks, top_v, top_i)]
 
 
 def logit_bias_arrays(params: SamplingParams | None) -> tuple[np.ndarray, np.ndarray] | None:

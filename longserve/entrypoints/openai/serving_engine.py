@@ -216,19 +216,18 @@ def usage(outs: list[StreamOutput]) -> dict:
 
 def vllm_prompt_logprobs(out: StreamOutput, k: int | None, name) -> list | None:
     """The engine's prompt logprobs ([None, {target: lp, top-k...}, ...]) in vLLM's shape:
-    {token id: {logprob, rank, decoded_token}}. The target is each entry's first key; its rank
-    is known only when it is in the top k."""
+    {token id: {logprob, rank, decoded_token}}. The target is each entry's first key, its rank
+    the engine's (also outside the top k); the top k rank by their order."""
     if k is None or out.prompt_logprobs is None:
         return None
     shaped = []
-    for entry in out.prompt_logprobs:
+    for entry, target_rank in zip(out.prompt_logprobs, out.prompt_ranks):
         if entry is None:
             shaped.append(None)
             continue
-        target = next(iter(entry))
-        ranked = [t for t in sorted(entry, key=entry.get, reverse=True) if t != target or len(entry) == k]
-        shaped.append({t: dict(logprob=lp, rank=ranked.index(t) + 1 if t in ranked else None,
-                               decoded_token=name(t)) for t, lp in entry.items()})
+        rank = {t: i + 1 for i, t in enumerate(sorted(entry, key=entry.get, reverse=True))}
+        rank[next(iter(entry))] = target_rank
+        shaped.append({t: dict(logprob=lp, rank=rank[t], decoded_token=name(t)) for t, lp in entry.items()})
     return shaped
 
 
