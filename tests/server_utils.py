@@ -75,7 +75,11 @@ class Server:
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         if wait:
-            self.wait_healthy()
+            try:
+                self.wait_healthy()
+            except BaseException:  # the caller never gets it to stop: nothing may be left running
+                self.stop()
+                raise
 
     def wait_healthy(self, timeout: float = 150) -> None:
         deadline = time.monotonic() + timeout

@@ -237,7 +237,10 @@ def _send_outputs(ctx, addresses: list[str], outputs: queue.Queue, engine_index:
     import zmq
     pushes = [ctx.socket(zmq.PUSH) for _ in addresses]
     for push, address in zip(pushes, addresses):
-        push.setsockopt(zmq.LINGER, 2000)
+        push.setsockopt(zmq.LINGER, 500)  # at exit: the last outputs (a failure's reason) go out
+        # no high-water mark: a front end that falls behind (or died, in a group of API
+        # servers) never blocks the outputs to the others; what it has not read waits here
+        push.setsockopt(zmq.SNDHWM, 0)
         push.connect(address)
     stats = None
     try:
@@ -250,10 +253,7 @@ def _send_outputs(ctx, addresses: list[str], outputs: queue.Queue, engine_index:
                 return
             stats = item.stats or stats
             for push, part in zip(pushes, owners.route(item)):
-                try:  # a front end gone (its queue full) must not stop the others' outputs
-                    push.send(encode(part), zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    pass
+                push.send(encode(part), copy=False)
     finally:
         for push in pushes:
             push.close()
