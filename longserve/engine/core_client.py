@@ -308,15 +308,15 @@ class MPClient:
         the local ones, kill any that lingers. Idempotent."""
         if self._closing:
             return
-        if self.front_end is None:  # the cores are ours to stop (else their starter's)
-            for core in set(range(self.num_cores)) - set(self.dead):
-                try:
-                    self.send(core, SHUTDOWN, None)
-                except RuntimeError:
-                    pass
-            self._closing = True
+        ours = self.front_end is None  # else the cores are their starter's to stop
+        for core in set(range(self.num_cores if ours else 0)) - set(self.dead):
+            try:
+                self.send(core, SHUTDOWN, None)
+            except RuntimeError:
+                pass
+        self._closing = True  # cores that now exit are not reported dead
+        if ours:
             stop_processes(self.procs.values(), timeout)
-        self._closing = True
         if self._reader.is_alive() and threading.current_thread() is not self._reader:
             self._reader.join(timeout=5)
         self._close_sockets()
