@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -115,9 +115,11 @@ async def _warm_up(state: ServerState) -> None:
                        CompletionRequest(prompt="Hello", max_tokens=2, stream=True)),
                    lambda: state.chat.create_chat_completion(
                        ChatCompletionRequest(messages=messages, max_tokens=2, stream=True))):
-        with suppress(OpenAIError):  # e.g. a model without a tokenizer or a chat template
+        try:
             async for _ in (await create()).body_iterator:
                 pass
+        except Exception as e:  # e.g. a model without a tokenizer or a chat template
+            logger.info("warm-up: %s", e)
 
 
 def banner(info: dict) -> list[str]:
