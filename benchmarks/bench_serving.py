@@ -25,6 +25,7 @@ import asyncio
 import gc
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -92,6 +93,34 @@ def decode_step_time(llm, vocab: int, ctx: int) -> float:
 
 
 # ---- the server ----------------------------------------------------------------------
+def front_end_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) of the server's front-end processes: `pid` and its
+    descendants, less the engine cores (`-m longserve.engine`) and theirs."""
+    if pid is None:
+        return 0.0
+    kids: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"longserve.engine\x00" in f.read():
+                    continue
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+        todo += kids.get(p, [])
+    return total
+
+
 def start_server(extra: list[str], port: int, timeout: float, log=None) -> subprocess.Popen:
     """`longserve serve` with these flags, once /health answers 200 (its output to `log`)."""
     cmd = [sys.executable, "-m", "longserve.entrypoints.cli", "serve", *extra, "--port", str(port),
@@ -148,9 +177,11 @@ def client_part(*args) -> list:  # in a client process of its own
 
 
 def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, seed: int,
-             procs: int = 1) -> dict:
+             procs: int = 1, server_pid: int | None = None) -> dict:
     """procs > 1: the requests go from that many client processes (every k-th request each,
-    on one clock: perf_counter is system-wide), so parsing the SSE stream is not one core's."""
+    on one clock: perf_counter is system-wide), so parsing the SSE stream is not one core's.
+    server_pid: also the front end's CPU time per output token (API servers, not cores)."""
+    cpu0 = front_end_cpu_s(server_pid)
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
     delays = np.cumsum(gaps) - gaps[0]
@@ -173,20 +204,23 @@ def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, 
     t_first = min(r["sent"] for r in res)
     slowest = [dict(index=int(i), sent_s=round(res[i]["sent"] - t_first, 2), ttft_ms=round(1e3 * ttft[i], 1))
                for i in np.argsort(-ttft)[:4]]  # where a TTFT tail comes from
+    n_out = sum(r["tokens"] for r in res)
     return dict(rate=rate, duration_s=round(span, 3), req_s=round(len(res) / span, 3),
-                out_tok_s=round(sum(r["tokens"] for r in res) / span, 1),
+                out_tok_s=round(n_out / span, 1),
+                front_end_cpu_us_per_token=round(1e6 * (front_end_cpu_s(server_pid) - cpu0) / n_out, 1),
                 ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(itl, 50),
                 itl_p99_ms=ms(itl, 99), slowest=slowest)
 
 
-def sweep(args, model: str, vocab: int, url: str) -> list[dict]:
+def sweep(args, model: str, vocab: int, url: str, server_pid: int | None = None) -> list[dict]:
     n = args.num_prompts
-    warm = random_prompts(vocab, n, args.input_len, 7)  # the same batch shapes as the timed runs
-    run_rate(url, model, warm, 8, float("inf"), 0, args.client_procs)
+    if not args.no_warm_up:
+        warm = random_prompts(vocab, n, args.input_len, 7)  # the same batch shapes as the timed runs
+        run_rate(url, model, warm, 8, float("inf"), 0, args.client_procs)
     rows = []
     for i, rate in enumerate(float(r) for r in args.rates.split(",")):
         prompts = random_prompts(vocab, n, args.input_len, 100 + i)  # no prefix-cache hits
-        rows.append(run_rate(url, model, prompts, args.output_len, rate, i, args.client_procs))
+        rows.append(run_rate(url, model, prompts, args.output_len, rate, i, args.client_procs, server_pid))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -249,6 +283,9 @@ def main() -> None:
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sending the requests")
     ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    ap.add_argument("--server-args", default="", help="flags for the server only, e.g. '--api-server-count 2'")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="no warm-up requests: the first rate is a fresh server's first traffic")
     args, extra = ap.parse_known_args()
     extra = [x for x in extra if x != "--"]
     engine_ap = argparse.ArgumentParser()
@@ -264,10 +301,10 @@ def main() -> None:
     proc = None
     if args.url is None:
         port = free_port()
-        proc = start_server(extra, port, args.server_timeout)
+        proc = start_server(extra + shlex.split(args.server_args), port, args.server_timeout)
         args.url = f"http://127.0.0.1:{port}"
     try:
-        result["rates"] = sweep(args, engine_args.model, vocab, args.url)
+        result["rates"] = sweep(args, engine_args.model, vocab, args.url, proc and proc.pid)
     finally:
         if proc is not None:
             proc.terminate()

@@ -37,20 +37,30 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def timing(obj, name: str, times: dict):
+    """Wrap obj.<name> so each call's host seconds go to times[name]; returns the original."""
+    real = getattr(obj, name)
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        out = real(*a, **kw)
+        times.setdefault(name, []).append(time.perf_counter() - t)
+        return out
+    setattr(obj, name, timed)
+    return real
+
+
 def decode_steps(llm, n, inp, steps, structured, seed):
-    """Median full-batch decode step (s), mask host time per step (s), steps counted."""
+    """Median full-batch decode step (s), host ms per step of the parts that grow with
+    structured requests (bitmask: the matchers' masks; update_from_output: apply, where the
+    matchers accept the tokens; schedule: the plan), steps counted."""
     so = StructuredOutputsParams(json=SCHEMA) if structured else None
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, structured_outputs=so)
     vocab = llm.config.model.vocab_size
     with llm.engine.client.paused() as core:
-        mask_s, bitmask = [], core.structured.bitmask
-
-        def timed(*a):
-            t = time.perf_counter()
-            out = bitmask(*a)
-            mask_s.append(time.perf_counter() - t)
-            return out
-        core.structured.bitmask = timed
+        times, parts = {}, [(core.structured, "bitmask"), (core.scheduler, "update_from_output"),
+                            (core.scheduler, "schedule")]
+        reals = [timing(obj, name, times) for obj, name in parts]
         for p in prompts(n, inp, vocab, seed):
             core.add_request(llm.engine.make_request(p, params))
         start = len(core.decode_steps)
@@ -58,9 +68,11 @@ def decode_steps(llm, n, inp, steps, structured, seed):
         while core.has_work():
             core.step()
         sync(llm.config.device)
-        core.structured.bitmask = bitmask
+        for (obj, name), real in zip(parts, reals):
+            setattr(obj, name, real)
         full = [s for tokens, s in core.decode_step_log(start) if tokens == n]
-    return float(np.median(full)) if full else float("nan"), float(np.mean(mask_s or [0])), len(full)
+    host = {name: round(1e3 * float(np.median(t)), 3) for name, t in times.items()}
+    return float(np.median(full)) if full else float("nan"), host, len(full)
 
 
 def run(args, asynchronous):
@@ -70,13 +82,14 @@ def run(args, asynchronous):
               max_num_seqs=args.num_requests, async_scheduling=asynchronous)
     decode_steps(llm, args.num_requests, args.input_len, 4, True, 1)  # warm-up (both kinds)
     decode_steps(llm, args.num_requests, args.input_len, 4, False, 2)
-    free, _, n_free = decode_steps(llm, args.num_requests, args.input_len, args.steps, False, 3)
-    constrained, mask, n_con = decode_steps(llm, args.num_requests, args.input_len, args.steps, True, 4)
+    free, free_host, n_free = decode_steps(llm, args.num_requests, args.input_len, args.steps, False, 3)
+    constrained, host, n_con = decode_steps(llm, args.num_requests, args.input_len, args.steps, True, 4)
     llm.shutdown()
     return dict(mode="async" if asynchronous else "sync", free_ms=round(1e3 * free, 2),
                 structured_ms=round(1e3 * constrained, 2),
                 overhead_pct=round(100 * (constrained / free - 1), 1),
-                mask_ms_per_step=round(1e3 * mask, 3), full_steps=(n_free, n_con))
+                mask_ms_per_step=host.get("bitmask", 0.0), host_ms_free=free_host,
+                host_ms_structured=host, full_steps=(n_free, n_con))
 
 
 def main():

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -47,6 +48,20 @@ def wait_gone(pids: list[int], timeout: float = 15) -> bool:
     return all(gone(p) for p in pids)
 
 
+def concurrently(fn, n: int, timeout: float = 120) -> list:
+    """[fn(0), ..., fn(n - 1)], each on a thread of its own (concurrent requests)."""
+    out = [None] * n
+
+    def one(i):
+        out[i] = fn(i)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out
+
+
 class Server:
     """`python -m longserve.entrypoints.cli serve ...` on a free port, engine cores in processes."""
 
@@ -60,7 +75,11 @@ class Server:
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         if wait:
-            self.wait_healthy()
+            try:
+                self.wait_healthy()
+            except BaseException:  # the caller never gets it to stop: nothing may be left running
+                self.stop()
+                raise
 
     def wait_healthy(self, timeout: float = 150) -> None:
         deadline = time.monotonic() + timeout

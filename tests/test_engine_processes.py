@@ -19,7 +19,7 @@ from conftest import assert_pool_whole
 from longserve import LLM, SamplingParams
 from longserve.engine.core_client import InprocClient, MPClient
 from longserve.engine.executor import free_port
-from server_utils import Server, descendants, wait_gone
+from server_utils import Server, concurrently, descendants, wait_gone
 
 MODEL = "builtin:llama-tiny"
 ENGINE = dict(device="cpu", max_model_len=256)
@@ -55,18 +55,9 @@ def test_generate_through_the_core_process_matches_in_process(layout, monkeypatc
 def complete_all(url: str, model: str, n: int = 12) -> list[list[int]]:
     """Every prompt at once (concurrent requests), greedy, token ids back."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-    out = [None] * len(PROMPTS)
-
-    def one(i):
-        r = client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=n, temperature=0,
-                                      extra_body=dict(ignore_eos=True, return_token_ids=True))
-        out[i] = r.choices[0].token_ids
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
+    return concurrently(lambda i: client.completions.create(
+        model=model, prompt=PROMPTS[i], max_tokens=n, temperature=0,
+        extra_body=dict(ignore_eos=True, return_token_ids=True)).choices[0].token_ids, len(PROMPTS))
 
 
 @pytest.mark.timeout(300)

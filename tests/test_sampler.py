@@ -4,7 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from longserve.sampling_params import SamplingParams
-from longserve.worker.sampler import Sampler, apply_top_k, apply_top_p
+from longserve.worker.sampler import (Sampler, apply_logit_bias, apply_top_k, apply_top_p,
+                                      logit_bias_arrays)
 
 
 @settings(max_examples=50, deadline=None)
@@ -48,3 +49,14 @@ def test_sampling_follows_the_distribution():
     tokens = s(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000).tolist()
     freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_logit_bias_of_hundreds_of_entries_is_added_per_row():
+    logits = torch.zeros(3, 1000)
+    bias = [{t: float(t % 7) - 3 for t in range(0, 1000, 3)}, None, {5: 1.5, 999: -2.0}]
+    got = apply_logit_bias(logits, [logit_bias_arrays(SamplingParams(logit_bias=b)) for b in bias])
+    want = torch.zeros(3, 1000)
+    for i, b in enumerate(bias):
+        for t, v in (b or {}).items():
+            want[i, t] += v
+    assert torch.equal(got, want) and not logits.any()  # a copy: logprobs stay the model's

@@ -259,7 +259,10 @@ def test_server_bad_schema_is_a_400_naming_the_field(server, llm, pool_whole):
                         (dict(guided_json={"type": "objectx"}), "guided_json"),
                         (dict(guided_choice=[]), "guided_choice"),
                         (dict(guided_regex="a", guided_choice=["a"]), "guided_choice"),
-                        (dict(response_format={"type": "json_schema"}), "response_format")]:
+                        (dict(response_format={"type": "json_schema"}), "response_format"),
+                        (dict(response_format={"type": "json_schema",  # a hint only: not offered
+                                               "json_schema": {"name": "x", "schema": SCHEMA,
+                                                               "strict": False}}), "response_format")]:
         for route, base in [("completions", dict(prompt="hi")),
                             ("chat/completions", dict(messages=[{"role": "user", "content": "hi"}]))]:
             r = httpx.post(f"{server.url}/v1/{route}", json=dict(base, model=MODEL, **body), timeout=30)

@@ -43,6 +43,7 @@ class EngineCore:
                 config, self.kv, self.executor.driver.runner.kv_bytes_per_block(), self.kv_store)
             self.scheduler.connector = self.kv_connector
         self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
+        self._mask = None  # the bitmask of a step with structured requests, being filled
         self._num_sent: dict[str, int] = {}  # output tokens already reported, per request
         self.decode_steps: deque = deque(maxlen=100_000)  # (tokens, seconds) of decode-only steps
         if config.device == "cuda" and self.kv_connector is None and not config.dp_lockstep:
@@ -51,16 +52,20 @@ class EngineCore:
 
     def _warm_up(self) -> None:
         """Run the step shapes of a light load once: a lone prompt, a prompt beside a decode,
-        a prefix hit. Triton compiles a kernel per specialization (a count of 1, a multiple
-        of 16) on its first use, ~0.5 s that would otherwise land in a request's TTFT."""
+        a prefix hit, and the sampler's paths (greedy alone, beside a sampled request with
+        top-k, top-p, a seed and logprobs). Triton compiles a kernel per specialization (a
+        count of 1, a multiple of 16) on its first use, ~0.5 s that would otherwise land in a
+        request's TTFT."""
         from longserve.sampling_params import SamplingParams
         n = max(16, min(1024, self.config.scheduler.max_model_len // 2) // 16 * 16)
-        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                  SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=0, logprobs=1,
+                                 max_tokens=3, ignore_eos=True)]
         # token counts that are and are not multiples of 16 (Triton specializes on both)
         rounds = [[[7] * n], [[8] * (n // 2 + 1), [7] * n + [9] * 3], [[9] * 16, [5] * 33]]
         for r, prompts in enumerate(rounds):
             for i, ids in enumerate(prompts):
-                self.add_request(EngineCoreRequest(f"warm-up-{r}-{i}", ids, params))
+                self.add_request(EngineCoreRequest(f"warm-up-{r}-{i}", ids, params[i]))
             for _ in range(2):  # their prefill, then a decode beside the next round's
                 self.step()
         while self.has_work():
@@ -124,11 +129,19 @@ class EngineCore:
                 self.scheduler.add_request(req)
         return failed
 
-    def _sample_structured(self, out, pending) -> None:
-        """A step with structured requests: its forward runs while their matchers (all tokens
-        up to the previous step applied) fill the bitmask; then it samples."""
+    def _start_mask(self, out, pending) -> None:
+        """A step with structured requests: while its forward runs, their matchers (all tokens
+        up to the previous step applied) fill the bitmask on the mask thread."""
         if pending.needs_bitmask:
-            pending.sample(self.structured.bitmask(out, self.scheduler.requests))
+            self._mask = self.structured.start_bitmask(out, self.scheduler.requests)
+
+    def _sample_masked(self, pending) -> None:
+        """Its sampling, with the mask. Asynchronous scheduling launches it only after the
+        next step was planned (beside the filling), before that step's forward (which reads
+        these ids on the device)."""
+        if self._mask is not None:
+            mask, self._mask = self._mask.result(), None
+            pending.sample(mask)
 
     def _step(self, out, lockstep: bool) -> list[EngineCoreOutput]:
         transfers = self.scheduler.has_kv_transfers()
@@ -141,23 +154,28 @@ class EngineCore:
             time.sleep(0.002)  # only polling the connectors: do not spin (a step that starts
             # a load or announces a hold goes at once)
         pending = self.executor.execute_async(out)
-        self._sample_structured(out, pending)
+        self._start_mask(out, pending)
+        self._sample_masked(pending)
         return self._apply(out, pending.result())
 
     def _step_async(self, out, idle: bool) -> list[EngineCoreOutput]:
         """Launch step N+1, then wait for step N's sampled ids and apply them: the host plans
         and prepares N+1 while the device still runs N."""
+        if self._in_flight is not None:
+            self._sample_masked(self._in_flight[1])
         launched = None if idle else (out, self.executor.execute_async(out))
         previous, self._in_flight = self._in_flight, launched
         outputs = [] if previous is None else self._apply(previous[0], previous[1].result())
         if launched is not None:  # after step N is applied: its tokens advanced the matchers
-            self._sample_structured(*launched)
+            self._start_mask(*launched)
         else:  # any finished while planning
             outputs += self._outputs(out, self.scheduler.update_from_output(out, {}))
         return outputs
 
     def drain(self) -> list[EngineCoreOutput]:
         """Apply the step in flight, if any (an idle lockstep rank's last dummy step)."""
+        if self._in_flight is not None:
+            self._sample_masked(self._in_flight[1])
         previous, self._in_flight = self._in_flight, None
         return [] if previous is None else self._apply(previous[0], previous[1].result())
 

@@ -5,7 +5,9 @@ end binds a ROUTER (commands to core d go to the DEALER named d) and a PULL (eve
 outputs); a thread reads the PULL and hands each message to `on_outputs`, and watches the
 cores: a local core whose process ended, or any core silent for HEARTBEAT_TIMEOUT_S, is dead
 (`on_dead`). Cores of this host are spawned here; a headless host starts its own and they
-connect to `--data-parallel-address:--data-parallel-rpc-port`.
+connect to `--data-parallel-address:--data-parallel-rpc-port`. With several API servers
+(`FrontEnd`), another process started the cores: each front end binds its own ROUTER and PULL,
+every core connects to all of them, and a front end watches the cores' pids (`PidWatch`).
 
 `InprocClient` (LONGSERVE_ENABLE_MULTIPROCESSING=0, torchrun, debugging): one EngineCore on a
 thread of this process, the same loop and messages without sockets.
@@ -19,6 +21,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -107,12 +110,50 @@ class _Call:
     error: str | None = None
 
 
-class UtilityCalls:
-    """Calls of EngineCore methods waiting for their answers (UtilityResult), by call id."""
+@dataclass
+class FrontEnd:
+    """One of several front ends (API-server processes) sharing cores that another process
+    started: its index into the addresses, and the pids of this host's cores by DP rank."""
+    index: int
+    addresses: CoreAddresses
+    core_pids: dict[int, int]
 
-    def __init__(self):
+
+class PidWatch:
+    """A process that this one did not start, watched through a pidfd: poll() as Popen's
+    (None while it runs)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.returncode = "unknown"
+
+    def poll(self):
+        if self.returncode is None and select.select([self._fd], [], [], 0)[0]:
+            self.returncode = "unknown"  # the exit status is its parent's to read
+            os.close(self._fd)
+        return self.returncode
+
+
+def start_local_cores(config: EngineConfig, addresses: CoreAddresses) -> dict[int, subprocess.Popen]:
+    """One process per core of this host: `python -m longserve.engine`, its arguments pickled
+    on stdin (no re-import of the caller's script, unlike spawn); core i on the i-th run of
+    the visible GPUs."""
+    ranks = local_dp_ranks(config.parallel)
+    gpus = core_gpus(config, len(ranks))
+    return {d: start_core_process(core_config(config, d), d, addresses, gpus and gpus[i])
+            for i, d in enumerate(ranks)}
+
+
+class UtilityCalls:
+    """Calls of EngineCore methods waiting for their answers (UtilityResult), by call id (ids
+    start apart per front end: every front end hears every answer)."""
+
+    def __init__(self, first_id: int = 0):
         self._waiting: dict[int, _Call] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count(first_id)
 
     def call(self, send, method: str, args: tuple, timeout: float):
         call_id, waiter = next(self._ids), _Call()
@@ -142,11 +183,11 @@ class UtilityCalls:
 
 
 class MPClient:
-    def __init__(self, config: EngineConfig, on_outputs, on_dead):
+    def __init__(self, config: EngineConfig, on_outputs, on_dead, front_end: FrontEnd | None = None):
         import zmq
         par = config.parallel
         self.num_cores = par.data_parallel_size
-        self.on_outputs, self.on_dead = on_outputs, on_dead
+        self.on_outputs, self.on_dead, self.front_end = on_outputs, on_dead, front_end
         self.ctx = zmq.Context()
         self.router, self.pull = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.PULL)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -154,44 +195,46 @@ class MPClient:
         self.pull.setsockopt(zmq.LINGER, 0)
         addresses = self._bind(par)
         self._send_lock = threading.Lock()
-        self._calls = UtilityCalls()
+        self._calls = UtilityCalls(front_end.index << 32 if front_end else 0)
         self.dead: dict[int, str] = {}
         self.procs: dict[int, object] = {}
         self._closing = False
         self.last_heard = [time.monotonic()] * self.num_cores
         try:
-            self._start_local_cores(config, addresses)
+            self.procs = ({d: PidWatch(pid) for d, pid in front_end.core_pids.items()} if front_end
+                          else start_local_cores(config, addresses))
             self.infos = self._handshake(par.distributed_timeout_s)
         except BaseException:
-            self._stop_processes(timeout=5)
+            if front_end is None:
+                stop_processes(self.procs.values(), timeout=5)
             self._close_sockets()
             raise
         self._reader = threading.Thread(target=self._read_loop, name="longserve-client", daemon=True)
-        self._reader.start()
         _live.add(self)
+
+    def start(self) -> None:
+        """Start reading outputs (once the caller can take them: with several front ends a
+        wave another one started may come at once)."""
+        self._reader.start()
 
     # ---- start-up -----------------------------------------------------------------------
     def _bind(self, par) -> CoreAddresses:
+        if self.front_end is not None:
+            addresses, k = self.front_end.addresses, self.front_end.index
+            self.router.bind(addresses.inputs[k])
+            self.pull.bind(addresses.outputs[k])
+            return addresses
         if par.data_parallel_rpc_port:  # fixed ports: cores of other hosts connect to them
             cmd, out, dist_init = dp_addresses(par)
             self.router.bind(f"tcp://*:{par.data_parallel_rpc_port}")
             self.pull.bind(f"tcp://*:{par.data_parallel_rpc_port + 1}")
-            return CoreAddresses(cmd, out, dist_init)
+            return CoreAddresses([cmd], [out], dist_init)
         host = "127.0.0.1"
         cmd_port = self.router.bind_to_random_port(f"tcp://{host}")
         out_port = self.pull.bind_to_random_port(f"tcp://{host}")
         from longserve.engine.executor import free_port
-        return CoreAddresses(f"tcp://{host}:{cmd_port}", f"tcp://{host}:{out_port}",
+        return CoreAddresses([f"tcp://{host}:{cmd_port}"], [f"tcp://{host}:{out_port}"],
                              f"tcp://{host}:{free_port()}")
-
-    def _start_local_cores(self, config: EngineConfig, addresses: CoreAddresses) -> None:
-        """One process per core of this host: `python -m longserve.engine`, its
-        arguments pickled on stdin (no re-import of the caller's script, unlike spawn)."""
-        ranks = local_dp_ranks(config.parallel)
-        gpus = core_gpus(config, len(ranks))
-        for i, d in enumerate(ranks):
-            self.procs[d] = start_core_process(core_config(config, d), d, addresses,
-                                               gpus and gpus[i])
 
     def _handshake(self, timeout_s: float) -> list[dict]:
         """Wait for every core's `ready` (what it holds), failing fast if one fails or dies."""
@@ -288,37 +331,42 @@ class MPClient:
         the local ones, kill any that lingers. Idempotent."""
         if self._closing:
             return
-        for core in range(self.num_cores):
-            if core not in self.dead:
-                try:
-                    self.send(core, SHUTDOWN, None)
-                except RuntimeError:
-                    pass
-        self._closing = True
-        self._stop_processes(timeout)
-        if threading.current_thread() is not self._reader:
+        ours = self.front_end is None  # else the cores are their starter's to stop
+        for core in set(range(self.num_cores if ours else 0)) - set(self.dead):
+            try:
+                self.send(core, SHUTDOWN, None)
+            except RuntimeError:
+                pass
+        self._closing = True  # cores that now exit are not reported dead
+        if ours:
+            stop_processes(self.procs.values(), timeout)
+        if self._reader.is_alive() and threading.current_thread() is not self._reader:
             self._reader.join(timeout=5)
         self._close_sockets()
         _live.discard(self)
-
-    def _stop_processes(self, timeout: float) -> None:
-        """Wait for the cores to exit by themselves (in seconds: they say goodbye to their
-        workers, see Executor.shutdown); `timeout`, longer than any wait inside a core, is the
-        last resort for a stuck one."""
-        deadline = time.monotonic() + timeout
-        for d, p in self.procs.items():
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                logger.warning("engine core %d did not exit within %.0f s; killing it", d, timeout)
-                p.kill()
-                p.wait(timeout=5)
 
     def _close_sockets(self) -> None:
         self._closing = True
         self.router.close()
         self.pull.close()
         self.ctx.term()
+
+
+def stop_processes(procs, timeout: float, terminate: bool = False) -> None:
+    """Wait for processes to end (after SIGTERM with `terminate`): in seconds, engine cores say
+    goodbye to their workers (Executor.shutdown); `timeout`, longer than any wait inside a
+    core, is the last resort: what outlives it is killed, and named."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        if terminate and p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            logger.warning("process %d did not exit within %.0f s; killing it", p.pid, timeout)
+            p.kill()
+            p.wait(timeout=5)
 
 
 def run_headless(config: EngineConfig) -> int:
@@ -331,9 +379,7 @@ def run_headless(config: EngineConfig) -> int:
         raise ValueError("--headless needs --data-parallel-rpc-port (and --data-parallel-address)")
     cmd, out, dist_init = dp_addresses(par)
     ranks = local_dp_ranks(par)
-    gpus = core_gpus(config, len(ranks))
-    procs = [start_core_process(core_config(config, d), d, CoreAddresses(cmd, out, dist_init),
-                                gpus and gpus[i]) for i, d in enumerate(ranks)]
+    procs = list(start_local_cores(config, CoreAddresses([cmd], [out], dist_init)).values())
     logger.info("headless: engine cores %s of %d connect to %s", list(ranks),
                 par.data_parallel_size, cmd)
 

@@ -1,16 +1,18 @@
 """The engine-core process: one per DP rank, running the step loop with nothing else on its GIL.
 
-    front end (LLM / API server)                      engine-core process (this file)
-    ROUTER  --add / abort / utility / wave-->  DEALER -> input thread -> queue -+
-                                                                                 v
-    PULL   <--EngineCoreOutputs (one per step)-- PUSH <- output thread <- EngineCoreProc.run
-                                                                          (schedule, launch,
-                                                                           apply: EngineCore)
+    front end k (LLM / API server k)                  engine-core process (this file)
+    ROUTER  --add / abort / utility / wave-->  DEALER k -> input thread -> queue -+
+                                                                                   v
+    PULL   <--EngineCoreOutputs (one per step)-- PUSH k <- output thread <- EngineCoreProc.run
+                                                                            (schedule, launch,
+                                                                             apply: EngineCore)
 
 Threads keep the sockets off the loop: the input thread decodes commands into a queue, the
 output thread encodes and sends (and sends the load as a heartbeat every second while the
 loop is quiet or busy with a long step). The loop applies commands between steps and blocks
-on the queue when idle.
+on the queue when idle. Several front ends (API-server processes) share the core: it has a
+DEALER and a PUSH towards each; a request's outputs go back to the front end that sent it
+(`Owners`), everything else (the load, waves, utility answers) to all of them.
 
 Expert models with DP > 1 step in lockstep (vLLM's waves): while any core has work every
 core runs a forward each iteration (a dummy one when it has nothing planned), and after each
@@ -28,10 +30,13 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+import msgspec
+
 from longserve.config import EngineConfig
 from longserve.engine.core import EngineCore
 from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
                                        UtilityResult, decode_command, encode, pack_result)
+from longserve.stalls import freeze_after_warm_up
 
 logger = logging.getLogger("longserve.engine")
 HEARTBEAT_S = 1.0
@@ -39,9 +44,34 @@ HEARTBEAT_S = 1.0
 
 @dataclass
 class CoreAddresses:
-    input: str  # the front end's ROUTER (each core connects a DEALER named by its DP rank)
-    output: str  # the front end's PULL (each core connects a PUSH)
+    inputs: list[str]  # each front end's ROUTER (each core connects a DEALER named by its DP rank)
+    outputs: list[str]  # each front end's PULL (each core connects a PUSH), in the same order
     dist_init: str | None = None  # the rendezvous of an expert model's DP world
+
+
+class Owners:
+    """Which front end sent each request (choice ids): set by the input thread, read and
+    cleared by the output thread (dict operations are atomic under the GIL)."""
+
+    def __init__(self, num_front_ends: int):
+        self.n, self.of = num_front_ends, {}
+
+    def add(self, request_ids: list[str], front_end: int) -> None:
+        self.of.update(dict.fromkeys(request_ids, front_end))
+
+    def drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.of.pop(rid, None)
+
+    def route(self, msg: EngineCoreOutputs) -> list[EngineCoreOutputs]:
+        """One message per front end: its requests' outputs (a request ended in its core is
+        forgotten), and the rest of `msg` for all."""
+        parts = [[] for _ in range(self.n)]
+        for o in msg.outputs:
+            k = self.of.pop(o.request_id, None) if o.finish_reason else self.of.get(o.request_id)
+            if k is not None:  # None: aborted by its front end meanwhile
+                parts[k].append(o)
+        return [msgspec.structs.replace(msg, outputs=p) for p in parts]
 
 
 class EngineCoreProc:
@@ -139,33 +169,39 @@ def run_engine_core(config: EngineConfig, engine_index: int, addresses: CoreAddr
     signal.signal(signal.SIGTERM, _raise_system_exit)
     exit_with_parent()
     ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.IDENTITY, engine_index.to_bytes(2, "big"))
-    dealer.setsockopt(zmq.LINGER, 2000)
-    dealer.connect(addresses.input)
+    dealers = [ctx.socket(zmq.DEALER) for _ in addresses.inputs]
+    for dealer, address in zip(dealers, addresses.inputs):
+        dealer.setsockopt(zmq.IDENTITY, engine_index.to_bytes(2, "big"))
+        dealer.setsockopt(zmq.LINGER, 2000)
+        dealer.connect(address)
     outputs: queue.Queue = queue.Queue()
+    owners = Owners(len(addresses.outputs))
     sender = threading.Thread(target=_send_outputs,
-                              args=(ctx, addresses.output, outputs, engine_index),
+                              args=(ctx, addresses.outputs, outputs, engine_index, owners),
                               name="longserve-core-output", daemon=True)
     sender.start()
     try:
-        _serve(config, engine_index, addresses, dealer, outputs)
+        _serve(config, engine_index, addresses, dealers, outputs, owners)
     finally:
         outputs.put(None)  # flush what is queued, then stop
         sender.join(timeout=5)
-        ctx.term()  # the input thread's recv fails with ETERM and closes the DEALER
+        ctx.term()  # the input thread's poll fails with ETERM and closes the DEALERs
 
 
-def _serve(config, engine_index: int, addresses: CoreAddresses, dealer, outputs: queue.Queue) -> None:
+def _serve(config, engine_index: int, addresses: CoreAddresses, dealers: list, outputs: queue.Queue,
+           owners: Owners) -> None:
     try:
         core = EngineCore(config, engine_index, addresses.dist_init)
     except BaseException as e:
-        dealer.send_multipart([b"failed", encode(f"{type(e).__name__}: {e}")])
+        for dealer in dealers:
+            dealer.send_multipart([b"failed", encode(f"{type(e).__name__}: {e}")])
         traceback.print_exc()
         raise SystemExit(1)
-    dealer.send_multipart([b"ready", encode(core.info())])  # then only the input thread uses it
+    freeze_after_warm_up()
+    for dealer in dealers:  # then only the input thread uses them
+        dealer.send_multipart([b"ready", encode(core.info())])
     inputs: queue.Queue = queue.Queue()
-    threading.Thread(target=_receive_inputs, args=(dealer, inputs), name="longserve-core-input",
+    threading.Thread(target=_receive_inputs, args=(dealers, inputs, owners), name="longserve-core-input",
                      daemon=True).start()
     proc = EngineCoreProc(core, inputs, outputs.put)
     try:
@@ -179,38 +215,55 @@ def _serve(config, engine_index: int, addresses: CoreAddresses, dealer, outputs:
         core.shutdown()
 
 
-def _receive_inputs(dealer, inputs: queue.Queue) -> None:
+def _receive_inputs(dealers: list, inputs: queue.Queue, owners: Owners) -> None:
     import zmq
+    poller = zmq.Poller()
+    for dealer in dealers:
+        poller.register(dealer, zmq.POLLIN)
     try:
         while True:
-            kind, payload = dealer.recv_multipart()
-            inputs.put((kind, decode_command(kind, payload)))
-            if kind == SHUTDOWN:
-                return
+            for dealer, _ in poller.poll():
+                kind, payload = dealer.recv_multipart()
+                command = decode_command(kind, payload)
+                if kind == ADD:
+                    owners.add(command.choice_ids, dealers.index(dealer))
+                elif kind == ABORT:
+                    owners.drop(command)
+                inputs.put((kind, command))
+                if kind == SHUTDOWN:
+                    return
     except zmq.ZMQError:  # the context is ending: the process is going down
         return
     finally:
-        dealer.close()
+        for dealer in dealers:
+            dealer.close()
 
 
-def _send_outputs(ctx, address: str, outputs: queue.Queue, engine_index: int) -> None:
+def _send_outputs(ctx, addresses: list[str], outputs: queue.Queue, engine_index: int,
+                  owners: Owners) -> None:
     import zmq
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(address)
+    pushes = [ctx.socket(zmq.PUSH) for _ in addresses]
+    for push, address in zip(pushes, addresses):
+        push.setsockopt(zmq.LINGER, 500)  # at exit: the last outputs (a failure's reason) go out
+        # no high-water mark: a front end that falls behind (or died, in a group of API
+        # servers) never blocks the outputs to the others; what it has not read waits here
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.connect(address)
     stats = None
     try:
         while True:
             try:
                 item = outputs.get(timeout=HEARTBEAT_S)
-            except queue.Empty:  # quiet (or a long step): the front end still hears from us
+            except queue.Empty:  # quiet (or a long step): the front ends still hear from us
                 item = EngineCoreOutputs(engine_index, stats=stats)
             if item is None:
                 return
             stats = item.stats or stats
-            push.send(encode(item), copy=False)
+            for push, part in zip(pushes, owners.route(item)):
+                push.send(encode(part), copy=False)
     finally:
-        push.close()
+        for push in pushes:
+            push.close()
 
 
 def _raise_system_exit(signum, frame):

@@ -15,7 +15,7 @@ import queue
 import time
 
 from longserve.config import EngineConfig
-from longserve.engine.core_client import InprocClient, MPClient
+from longserve.engine.core_client import FrontEnd, InprocClient, MPClient
 from longserve.engine.dp_coordinator import DPCoordinator
 from longserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from longserve.engine.output_processor import (EngineDeadError, EngineOverloadedError,
@@ -39,7 +39,9 @@ def use_multiprocessing(config: EngineConfig) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, max_waiting: int | None = None):
+    def __init__(self, config: EngineConfig, max_waiting: int | None = None,
+                 front_end: FrontEnd | None = None):
+        """front_end: one of several API servers, on cores that another process started."""
         self.config, self.max_waiting = config, max_waiting
         self.tokenizer_info = load_tokenizer(config.model)
         self.tokenizer = self.tokenizer_info.tokenizer
@@ -48,9 +50,13 @@ class LLMEngine:
         self.log_requests = False  # an INFO line per request (the server's --enable-log-requests)
         self._closed = False
         self._ids = itertools.count()
+        self._id_prefix = f"{front_end.index}-" if front_end else ""  # unique over front ends
         self.coordinator = DPCoordinator(config.parallel.data_parallel_size, config.dp_lockstep)
-        client = MPClient if use_multiprocessing(config) else InprocClient
-        self.client = client(config, self._on_outputs, self._on_dead)
+        if front_end is not None or use_multiprocessing(config):
+            self.client = MPClient(config, self._on_outputs, self._on_dead, front_end)
+            self.client.start()
+        else:
+            self.client = InprocClient(config, self._on_outputs, self._on_dead)
         self.infos = self.client.infos
         self.num_blocks = min(info["num_gpu_blocks"] for info in self.infos)
         self.tokens_per_block = self.infos[0]["tokens_per_block"]
@@ -90,7 +96,7 @@ class LLMEngine:
         kv_params = (params.extra_args or {}).get("kv_transfer_params")
         if kv_params is not None and not isinstance(kv_params, dict):
             raise ValueError(f"kv_transfer_params must be a dict, got {type(kv_params).__name__}")
-        req = EngineCoreRequest(str(next(self._ids)), ids, params, self.config.model.eos_token_ids,
+        req = EngineCoreRequest(f"{self._id_prefix}{next(self._ids)}", ids, params, self.config.model.eos_token_ids,
                                 time.perf_counter(), data_parallel_rank, kv_params or None, text)
         if kv_params:
             self.check_kv_transfer_params(req)
@@ -216,17 +222,14 @@ class LLMEngine:
         return self.error is None and not self._closed and not self.coordinator.dead
 
     @property
-    def stats(self):
-        return self.output.stats
-
-    @property
     def num_running(self) -> int:
         return self.coordinator.total("num_running")
 
     @property
     def num_waiting(self) -> int:
-        """Requests taken but not running (racy read: for admission control and gauges)."""
-        return max(0, self.output.num_unfinished - self.num_running)
+        """Requests waiting in the cores or on their way to them, from every front end as the
+        cores last reported, plus those this one sent since (racy: admission and gauges)."""
+        return self.coordinator.total("num_waiting") + sum(self.coordinator.sent)
 
     def kv_cache_usage(self) -> float:
         return self.coordinator.kv_usage()

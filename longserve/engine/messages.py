@@ -46,7 +46,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float]] | None = None  # positions 1.. (the first is None)
+    prompt_logprobs: list[tuple[int, dict[int, float]]] | None = None  # positions 1..: (rank, entry)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     kv_transfer_params: dict | None = None

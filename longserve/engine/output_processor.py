@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, replace
 from longserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from longserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from longserve.engine.request import CompletionOutput, RequestOutput
-from longserve.engine.stats import EngineStats
 
 
 class EngineDeadError(RuntimeError):
@@ -45,16 +44,18 @@ class StreamOutput:
     kv_transfer_params: dict | None = None  # at the end, for a disaggregated decode instance
     error: str | None = None  # at the end: why the request failed alone (finish_reason "error")
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with choice 0's first delta
+    prompt_ranks: list[int | None] | None = None  # and each prompt token's rank (1 = likeliest)
     index: int = 0  # the choice (SamplingParams.n)
 
     def merged(self, later: "StreamOutput") -> "StreamOutput":
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
         return replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
-                       logprobs=logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+                       logprobs=logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+                       prompt_ranks=self.prompt_ranks or later.prompt_ranks)
 
 
 class RequestStream:
-    """One request's outputs, read by a thread (`for out in stream`) or a loop (`async for`);
+    """One request's outputs, read by a thread (`for out in stream`) or a loop (`batches()`);
     it ends when all its `n` choices have. Deltas of a choice that queued up while the
     reader was busy come merged into one."""
 
@@ -87,12 +88,12 @@ class RequestStream:
             if left and error is not None:
                 raise error
 
-    async def __aiter__(self):
+    async def batches(self):
+        """On a loop: lists of what queued up since the last (one merged delta per choice)."""
         left = self.n
         while left:
             outs, error = self._combine(self._drain(await self.queue.get()))
-            for out in outs:
-                yield out
+            yield outs
             left -= sum(o.finished for o in outs)
             if left and error is not None:
                 raise error
@@ -121,6 +122,7 @@ class RequestState:
     holdback: int  # chars kept back while a stop string could still begin in them
     choices: list[Choice]
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
     kv_transfer_params: dict | None = None
@@ -130,7 +132,7 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, decode):
         self.decode = decode  # token ids -> text
-        self.stats = EngineStats()
+        self.metrics = None  # the server's counters (entrypoints/openai/metrics.py: ServerMetrics)
         self._states: dict[str, RequestState] = {}
         self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by the core's choice id
         self._lock = threading.Lock()
@@ -177,7 +179,8 @@ class OutputProcessor:
         if o.new_logprobs:
             choice.logprobs += o.new_logprobs
         if o.prompt_logprobs is not None:
-            state.prompt_logprobs = [None] + list(o.prompt_logprobs)
+            state.prompt_ranks = [None] + [rank for rank, _ in o.prompt_logprobs]
+            state.prompt_logprobs = [None] + [entry for _, entry in o.prompt_logprobs]
         self._count_tokens(state, choice, len(o.new_token_ids), now)
         if choice.detokenizer is None:
             return o.finish_reason is not None
@@ -206,7 +209,7 @@ class OutputProcessor:
                            choice.logprobs[choice.num_sent:n] if params.logprobs is not None else None,
                            state.request.num_prompt_tokens, n, index=choice.index)
         if choice.num_sent == 0 and choice.index == 0:
-            out.prompt_logprobs = state.prompt_logprobs
+            out.prompt_logprobs, out.prompt_ranks = state.prompt_logprobs, state.prompt_ranks
         choice.num_sent, choice.text_sent = n, choice.text_sent + len(text)
         return out
 
@@ -219,7 +222,8 @@ class OutputProcessor:
         state.num_preemptions += o.num_preemptions
         state.kv_transfer_params = state.kv_transfer_params or o.kv_transfer_params
         state.error = state.error or o.error
-        self.stats.finished[reason] += 1
+        if self.metrics is not None:
+            self.metrics.finished(reason)
         text = choice.text if choice.text is not None else self.decode(choice.output_token_ids)
         choice.output = CompletionOutput(choice.index, text, choice.output_token_ids, reason,
                                          stop_reason, choice.logprobs or None)
@@ -273,20 +277,19 @@ class OutputProcessor:
     def _count_tokens(self, state: RequestState, choice: Choice, n_new: int, now: float) -> None:
         if n_new == 0:
             return
-        stats = self.stats
-        stats.generation_tokens += n_new
-        if state.first_token_time is None:
+        first, m = state.first_token_time is None, self.metrics
+        if first:
             state.first_token_time = now
-            stats.prompt_tokens += state.request.num_prompt_tokens
-            stats.time_to_first_token.observe(now - state.request.arrival_time)
-        elif choice.last_time is not None:
-            for _ in range(n_new):  # tokens that came out together share the gap
-                stats.inter_token_latency.observe((now - choice.last_time) / n_new)
+        if m is not None:
+            if first:
+                m.first_token(state.request.num_prompt_tokens, now - state.request.arrival_time)
+            # tokens that came out together share the gap; a choice's first has none
+            m.tokens(n_new, None if first or choice.last_time is None else (now - choice.last_time) / n_new)
         choice.last_time = now
 
     def _count_finished(self, state: RequestState, now: float) -> None:
-        self.stats.num_preemptions += state.num_preemptions
-        self.stats.e2e_request_latency.observe(now - state.request.arrival_time)
+        if self.metrics is not None:
+            self.metrics.request_done(state.num_preemptions, now - state.request.arrival_time)
 
 
 def _deliver(batch: list[tuple[object, object]]) -> None:

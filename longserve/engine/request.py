@@ -27,8 +27,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    # entries for prompt positions 1, 2, ... collected so far (SamplingParams.prompt_logprobs)
-    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # (the token's rank, {token: logprob, top-k...}) for prompt positions 1, 2, ... collected so
+    # far (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache

@@ -166,10 +166,17 @@ def cmd_serve(args) -> None:
     if args.headless:
         from longserve.engine.core_client import run_headless
         sys.exit(run_headless(engine_config(args)))
-    names = args.served_model_name or [args.model]
-    sys.exit(run_server(lambda: LLMEngine(engine_config(args), max_waiting=args.max_waiting), names,
-                        args.host, args.port, args.api_key, args.chat_template,
-                        args.shutdown_timeout, args.uvicorn_log_level, args.enable_log_requests))
+    server_kw = dict(served_names=args.served_model_name or [args.model], host=args.host, port=args.port,
+                     api_key=args.api_key, chat_template=args.chat_template,
+                     shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level,
+                     log_requests=args.enable_log_requests)
+    count = args.api_server_count or (1 if args.data_parallel_rpc_port else args.data_parallel_size)
+    if count > 1:
+        if args.data_parallel_rpc_port:
+            raise ValueError("--api-server-count > 1 does not work with --data-parallel-rpc-port yet")
+        from longserve.entrypoints.openai.api_servers import run_api_servers
+        sys.exit(run_api_servers(engine_config(args), count, args.max_waiting, server_kw))
+    sys.exit(run_server(lambda: LLMEngine(engine_config(args), max_waiting=args.max_waiting), **server_kw))
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -188,6 +195,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log one INFO line per request (id, prompt tokens, sampling params)")
+    p.add_argument("--api-server-count", "-asc", type=int, default=None,
+                   help="API-server processes on the port, each a front end to every engine core "
+                        "(default: the DP size; 1 with --data-parallel-rpc-port)")
     p.add_argument("--headless", action="store_true",
                    help="run only this host's engine cores (they connect to the front end at "
                         "--data-parallel-address:--data-parallel-rpc-port)")

@@ -23,7 +23,8 @@ from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibility
 from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_unsupported
-from longserve.worker.sampler import Sampler, apply_token_bitmask, prompt_logprobs
+from longserve.worker.sampler import (Sampler, apply_token_bitmask, logit_bias_arrays,
+                                      prompt_logprobs)
 from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,
@@ -39,6 +40,7 @@ PIECEWISE_MODE = "LONGSERVE_PIECEWISE"
 class RunnerRequest:
     block_ids: list[int]
     sampling_params: SamplingParams | None
+    logit_bias: tuple | None = None  # sampler.logit_bias_arrays, made once
 
 
 class SampledTokens:
@@ -66,7 +68,7 @@ class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]]
     kv_connector_output: KVConnectorOutput | None = None
-    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
     # the sampled ids while they are still on their way (request ids, ids); see resolve()
     pending: tuple[list[str], SampledTokens] | None = None
     deferred: tuple | None = None  # (sampling requests, logits): waits for a grammar bitmask
@@ -219,7 +221,8 @@ class ModelRunner:
             self.zeroer.zero_block_ids(out.new_block_ids)
         for r in out.requests:
             if r.new:
-                self.requests[r.req_id] = RunnerRequest(list(r.block_ids), r.sampling_params)
+                self.requests[r.req_id] = RunnerRequest(list(r.block_ids), r.sampling_params,
+                                                        logit_bias_arrays(r.sampling_params))
             else:
                 self.requests[r.req_id].block_ids.extend(r.block_ids)
         if not out.requests:
@@ -298,7 +301,8 @@ class ModelRunner:
         tokens = None
         if logits is not None:
             params = [self.requests[r.req_id].sampling_params for r in sampling]
-            tokens = self.sampler(logits, params, [r.seed_offset for r in sampling])
+            tokens = self.sampler(logits, params, [r.seed_offset for r in sampling],
+                                  [self.requests[r.req_id].logit_bias for r in sampling])
             ids = [r.req_id for r in sampling]
             output.pending = (ids, SampledTokens(tokens))
             if any(p.logprobs is not None for p in params):  # these need the ids now

@@ -22,11 +22,12 @@ class Sampler:
         self._seeded = torch.Generator(device=device)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 seed_offsets: list[int]) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seed_offsets: list[int],
+                 biases: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> torch.Tensor:
         """logits [N, V] float32 -> N token ids [N] on the logits' device (nothing waits
-        for the device here: asynchronous scheduling reads them a step later)."""
-        logits = apply_logit_bias(logits, [p.logit_bias for p in params])
+        for the device here: asynchronous scheduling reads them a step later). biases: each
+        row's `logit_bias_arrays`, made when its request arrived (else made here)."""
+        logits = apply_logit_bias(logits, biases or [logit_bias_arrays(p) for p in params])
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
             greedy = to_device(np.array([p.greedy for p in params]), logits.device)
@@ -68,26 +69,38 @@ class Sampler:
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int],
-                    top_ks: list[int]) -> list[dict[int, float]]:
-    """logits [R, V] float32 of prompt rows -> per row {target: logprob} plus its top-k."""
+                    top_ks: list[int]) -> list[tuple[int, dict[int, float]]]:
+    """logits [R, V] float32 of prompt rows -> per row (the target's rank, 1 = likeliest, also
+    outside the top-k; {target: logprob} plus its top-k)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     k = max(top_ks)
     top = logprobs.topk(k) if k else None
     top_v = top.values.tolist() if k else [[]] * len(targets)
     top_i = top.indices.tolist() if k else [[]] * len(targets)
-    return [{t: c, **dict(zip(ids[:kr], vs[:kr]))}
-            for t, c, kr, vs, ids in zip(targets, chosen, top_ks, top_v, top_i)]
+    return [(r, {t: c, **dict(zip(ids[:kr], vs[:kr]))})
+            for t, c, r, kr, vs, ids in zip(targets, chosen[:, 0].tolist(), ranks, top_ks, top_v, top_i)]
 
 
-def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
-    """A copy with each row's biases added (logprobs stay those of the model, as vLLM's)."""
-    if not any(biases):
+def logit_bias_arrays(params: SamplingParams | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """A request's logit_bias as (token ids int64, biases float32), made once when it arrives."""
+    if params is None or not params.logit_bias:
+        return None
+    return (np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias)),
+            np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[tuple[np.ndarray, np.ndarray] | None]) -> torch.Tensor:
+    """A copy with each row's biases added, every entry of the step in one index_put (no work
+    per entry in Python; logprobs stay those of the model, as vLLM's)."""
+    rows = [i for i, b in enumerate(biases) if b is not None]
+    if not rows:
         return logits
-    rows, cols, vals = zip(*[(i, t, b) for i, bias in enumerate(biases) for t, b in (bias or {}).items()])
-    index = to_device(np.array([rows, cols]), logits.device)
-    return logits.index_put((index[0], index[1]), to_device(np.array(vals, np.float32), logits.device),
-                            accumulate=True)
+    cols = np.concatenate([biases[i][0] for i in rows])
+    index = to_device(np.stack([np.repeat(rows, [len(biases[i][0]) for i in rows]), cols]), logits.device)
+    vals = to_device(np.concatenate([biases[i][1] for i in rows]), logits.device)
+    return logits.index_put((index[0], index[1]), vals, accumulate=True)
 
 
 def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

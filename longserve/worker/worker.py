@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import build_parallel_state, close_process_groups
+from longserve.stalls import freeze_after_warm_up
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from longserve.worker.piecewise_graphs import piecewise_pool_bytes
@@ -191,6 +192,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
 
 
 def run_worker_loop(worker: Worker, progress=None) -> None:
+    freeze_after_warm_up()
     while True:
         out = worker.ps.model.broadcast_object(None)
         if progress is not None:

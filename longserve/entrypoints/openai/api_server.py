@@ -1,9 +1,12 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over one engine core, served by uvicorn.
+"""The OpenAI-compatible HTTP server: FastAPI routes over the engine, served by uvicorn.
 
-The engine loads on a thread after the port is open: until it is ready (and after a fatal
-engine error) /health and /v1/* answer 503. Shutdown (Ctrl-C, SIGTERM): uvicorn stops
-accepting and lets in-flight requests drain for --shutdown-timeout seconds, then the core
-aborts what is left and stops the workers.
+The engine loads on a thread after the port is open, then one streamed completion and one
+streamed chat warm the path every request takes (tokenizer, chat template, detokenizer, SSE);
+until then (and after a fatal engine error) /health and /v1/* answer 503. Shutdown (Ctrl-C,
+SIGTERM): uvicorn stops accepting and lets in-flight requests drain for --shutdown-timeout
+seconds, then the core aborts what is left and stops the workers. With several API servers
+(entrypoints/openai/api_servers.py) this is one of them; `siblings` says whether the others
+are up.
 """
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ from starlette.exceptions import HTTPException
 
 import longserve
 from longserve.engine.llm_engine import LLMEngine
+from longserve.stalls import freeze_after_warm_up, watch_loop_lag
 from longserve.entrypoints.openai.metrics import make_registry
-from longserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                   DetokenizeRequest, ModelCard, ModelList,
-                                                   OpenAIError, TokenizeRequest)
+from longserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage,
+                                                   CompletionRequest, DetokenizeRequest, ModelCard,
+                                                   ModelList, OpenAIError, TokenizeRequest)
 from longserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from longserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from longserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -44,7 +48,10 @@ class ServerState:
     chat: OpenAIServingChat | None = None
     tokenization: OpenAIServingTokenization | None = None
     registry: object = field(default=None)
+    metrics: object = None  # ServerMetrics, counted from the first request after the warm-up
     log_requests: bool = False
+    siblings: object = None  # with several API servers the others (api_servers.Siblings)
+    tasks: list = field(default_factory=list)
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
@@ -54,16 +61,19 @@ def error_response(e: OpenAIError) -> JSONResponse:
 
 def build_app(load_core: Callable[[], LLMEngine], served_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, on_load_error: Callable[[], None] | None = None,
-              log_requests: bool = False) -> FastAPI:
+              log_requests: bool = False, siblings=None) -> FastAPI:
     """`load_core` builds the engine core (on a thread, after the server starts listening)."""
-    state = ServerState(served_names, api_key, chat_template, log_requests=log_requests)
-    state.registry = make_registry(lambda: state.core, served_names[0])
+    state = ServerState(served_names, api_key, chat_template, log_requests=log_requests,
+                        siblings=siblings)
+    state.registry, state.metrics = make_registry(lambda: state.core, served_names[0])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.create_task(_load(state, load_core, on_load_error))
         yield
         await asyncio.shield(loading)  # a thread cannot be cancelled: let it finish, then stop it
+        for task in state.tasks:
+            task.cancel()
         if state.core is not None:
             await asyncio.to_thread(state.core.shutdown)
 
@@ -80,8 +90,13 @@ async def _load(state: ServerState, load_core, on_load_error) -> None:
         state.completion = OpenAIServingCompletion(core, state.served_names)
         state.chat = OpenAIServingChat(core, state.served_names, state.chat_template)
         state.tokenization = OpenAIServingTokenization(state.chat, state.served_names)
-        core.log_requests = state.log_requests
+        await _warm_up(state)
+        core.log_requests, core.output.metrics = state.log_requests, state.metrics
+        freeze_after_warm_up()
+        state.tasks.append(asyncio.create_task(watch_loop_lag()))
         state.core = core
+        if state.siblings is not None:
+            state.siblings.mark_ready()
         for line in banner(core.info()):
             logger.info(line)
         logger.info("the engine is ready: serving %s", state.served_names[0])
@@ -90,6 +105,21 @@ async def _load(state: ServerState, load_core, on_load_error) -> None:
         state.load_error = f"the engine failed to start: {type(e).__name__}: {e}"
         if on_load_error is not None:
             on_load_error()
+
+
+async def _warm_up(state: ServerState) -> None:
+    """Two tokens streamed through completions and chat: what a first request touches (a chat
+    template compiles at its first use) is done before /health says 200."""
+    messages = [ChatMessage(role="user", content="Hello")]
+    for create in (lambda: state.completion.create_completion(
+                       CompletionRequest(prompt="Hello", max_tokens=2, stream=True)),
+                   lambda: state.chat.create_chat_completion(
+                       ChatCompletionRequest(messages=messages, max_tokens=2, stream=True))):
+        try:
+            async for _ in (await create()).body_iterator:
+                pass
+        except Exception as e:  # e.g. a model without a tokenizer or a chat template
+            logger.info("warm-up: %s", e)
 
 
 def banner(info: dict) -> list[str]:
@@ -149,11 +179,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health():
-        """200 only when every engine core is alive."""
+        """200 only when every engine core (and every other API server) is up."""
         core = await ready()
-        if not core.healthy:
-            dead = "; ".join(core.client.dead.values()) or "the engine is shutting down"
-            raise OpenAIError(dead, 503, "server_error", code="engine_dead")
+        trouble = (None if core.healthy else "; ".join(core.client.dead.values())
+                   or "the engine is shutting down") or (state.siblings and state.siblings.trouble())
+        if trouble:
+            raise OpenAIError(trouble, 503, "server_error", code="engine_dead")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -188,8 +219,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host: str = "127.0.0.1",
                port: int = 8000, api_key: str | None = None, chat_template: str | None = None,
-               shutdown_timeout: float = 10.0, log_level: str = "info", log_requests: bool = False) -> int:
-    """Serve until Ctrl-C / SIGTERM; returns the exit status (1 if the engine failed to start)."""
+               shutdown_timeout: float = 10.0, log_level: str = "info", log_requests: bool = False,
+               sock=None, siblings=None) -> int:
+    """Serve until Ctrl-C / SIGTERM (on `sock` if given: a socket bound to the port);
+    returns the exit status (1 if the engine failed to start)."""
     import uvicorn
     holder: dict = {}
 
@@ -197,9 +230,9 @@ def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host
         holder["server"].should_exit = True
 
     app = build_app(load_core, served_names, api_key, chat_template, on_load_error=stop,
-                    log_requests=log_requests)
+                    log_requests=log_requests, siblings=siblings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout)
     holder["server"] = uvicorn.Server(config)
-    holder["server"].run()
+    holder["server"].run(sockets=None if sock is None else [sock])
     return 1 if app.state.longserve.load_error else 0

@@ -1,18 +1,63 @@
-"""GET /metrics: the engine core's counts in Prometheus format, under vLLM's metric names.
+"""GET /metrics under vLLM's metric names: what the API servers count, and the engine cores' load.
 
-A collector reads the core at scrape time (no second bookkeeping): gauges from the
-scheduler and the KV pool, counters and histograms from `EngineStats`."""
+`ServerMetrics`: counters and histograms of requests and tokens, counted by the front end as
+outputs arrive (prometheus_client metrics; with several API-server processes they live in
+PROMETHEUS_MULTIPROC_DIR and a scrape of any process sums them all). `EngineCollector`: what
+the engine cores report (running, waiting, KV usage, prefix-cache totals), read at scrape time;
+every API server hears every core, so these are not summed over processes.
+"""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
-from prometheus_client.utils import floatToGoString
 
 from longserve.engine.llm_engine import LLMEngine
-from longserve.engine.stats import Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+                   0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class ServerMetrics:
+    """Hooks of the output processor (`OutputProcessor.metrics`)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None):
+        def counter(name: str, doc: str):
+            return Counter(f"vllm:{name}", doc, ["model_name"], registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str):
+            return Histogram(f"vllm:{name}", doc, ["model_name"], registry=registry,
+                             buckets=LATENCY_BUCKETS).labels(model_name)
+        self.model_name = model_name
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens produced.")
+        self.preemptions = counter("num_preemptions", "Preemptions (of finished requests).")
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+
+    def first_token(self, num_prompt_tokens: int, ttft: float) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.ttft.observe(ttft)
+
+    def tokens(self, n: int, gap: float | None) -> None:
+        """n tokens of a choice came out together, `gap` s apart each (None: its first)."""
+        self.generation_tokens.inc(n)
+        for _ in range(n if gap is not None else 0):
+            self.itl.observe(gap)
+
+    def finished(self, reason: str) -> None:  # per choice
+        self.success.labels(self.model_name, reason).inc()
+
+    def request_done(self, num_preemptions: int, e2e: float) -> None:
+        self.preemptions.inc(num_preemptions)
+        self.e2e.observe(e2e)
 
 
 class EngineCollector(Collector):
@@ -25,47 +70,29 @@ class EngineCollector(Collector):
         family.add_metric([self.model_name, *labels.values()], value)
         return family
 
-    def _histogram(self, name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
-        buckets = [(floatToGoString(bound), count) for bound, count in h.cumulative()]
-        family.add_metric([self.model_name], buckets, h.sum)
-        return family
-
     def collect(self):
         core = self.get_core()
         if core is None:  # still loading
             return
-        stats, (queried, hits) = core.stats, core.prefix_cache_tokens()
+        queried, hits = core.prefix_cache_tokens()
         yield self._family(GaugeMetricFamily, "num_requests_running", "Requests in model steps.",
                            core.num_running)
         yield self._family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to run.",
                            core.num_waiting)
         yield self._family(GaugeMetricFamily, "kv_cache_usage_perc",
                            "KV-cache usage: 1 means 100 percent of the blocks are in use.", core.kv_cache_usage())
-        yield self._family(CounterMetricFamily, "prompt_tokens", "Prefill tokens processed.",
-                           stats.prompt_tokens)
-        yield self._family(CounterMetricFamily, "generation_tokens", "Generation tokens produced.",
-                           stats.generation_tokens)
         yield self._family(CounterMetricFamily, "prefix_cache_queries",
                            "Prompt tokens looked up in the prefix cache.", queried)
         yield self._family(CounterMetricFamily, "prefix_cache_hits",
                            "Prompt tokens found in the prefix cache.", hits)
-        yield self._family(CounterMetricFamily, "num_preemptions", "Preemptions (of finished requests).",
-                           stats.num_preemptions)
-        success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
-                                      labels=["model_name", "finished_reason"])
-        for reason, n in sorted(stats.finished.items()):
-            success.add_metric([self.model_name, reason], n)
-        yield success
-        yield self._histogram("time_to_first_token_seconds", "Time to first token.",
-                              stats.time_to_first_token)
-        yield self._histogram("inter_token_latency_seconds", "Time between output tokens.",
-                              stats.inter_token_latency)
-        yield self._histogram("e2e_request_latency_seconds", "Arrival to finish.",
-                              stats.e2e_request_latency)
 
 
-def make_registry(get_core: Callable[[], LLMEngine | None], model_name: str) -> CollectorRegistry:
+def make_registry(get_core: Callable[[], LLMEngine | None],
+                  model_name: str) -> tuple[CollectorRegistry, ServerMetrics]:
+    """The registry /metrics serves, and the metrics this process counts into."""
     registry = CollectorRegistry(auto_describe=False)
+    several = "PROMETHEUS_MULTIPROC_DIR" in os.environ  # several API servers: sum their files
+    if several:
+        MultiProcessCollector(registry)
     registry.register(EngineCollector(get_core, model_name))
-    return registry
+    return registry, ServerMetrics(model_name, None if several else registry)

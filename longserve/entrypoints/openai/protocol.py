@@ -1,4 +1,5 @@
-"""Requests and responses of the OpenAI HTTP API (the fields LongServe supports), as pydantic models."""
+"""Requests of the OpenAI HTTP API (the fields LongServe supports), as pydantic models, and the
+model list; responses and stream chunks are plain dicts (serving_engine.py), encoded by msgspec."""
 from __future__ import annotations
 
 import time
@@ -139,109 +140,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-# ---- responses --------------------------------------------------------------------------
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):  # vLLM's Logprob
-    logprob: float
-    rank: int | None = None  # 1: the likeliest; None: a prompt token outside the top-k asked
-    decoded_token: str | None = None
-
-
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprobToken(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatLogprobToken] | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: for the prompt, beside the choices
-    kv_transfer_params: dict | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # with the first tokens
-
-
+# ---- responses (completions and chat: plain dicts, serving_engine.response_body) ----------
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

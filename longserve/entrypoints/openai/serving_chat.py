@@ -8,15 +8,12 @@ from starlette.responses import StreamingResponse
 
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.output_processor import StreamOutput
-from longserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
-                                                   ChatCompletionRequest, ChatCompletionResponse,
-                                                   ChatLogprobs, ChatLogprobToken, ChatMessageOut,
-                                                   ChatStreamChoice, DeltaMessage, OpenAIError,
-                                                   TopLogprob, random_id)
-from longserve.entrypoints.openai.serving_engine import (TokenNames, check_errors, check_model,
-                                                         kv_transfer_params, read_all,
-                                                         read_streams, sampling_params, sse,
-                                                         sse_error, submit, usage, vllm_prompt_logprobs)
+from longserve.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, random_id
+from longserve.entrypoints.openai.serving_engine import (DONE, Frames, TokenNames, check_errors,
+                                                         check_model, json_response,
+                                                         kv_transfer_params, read_all, read_streams,
+                                                         response_body, sampling_params, sse_error,
+                                                         submit, usage, vllm_prompt_logprobs)
 
 
 def message_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -57,7 +54,7 @@ class OpenAIServingChat:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = sampling_params(req, max_tokens, logprobs, self.core, req.prompt_logprobs)
+        params = await sampling_params(req, max_tokens, logprobs, self.core, req.prompt_logprobs)
         [(_, stream)] = submit(self.core, [self.render(req)], params, "messages")
         request_id, model = random_id("chatcmpl"), self.served_names[0]
         name = self.names.namer(req.return_tokens_as_token_ids)
@@ -66,48 +63,48 @@ class OpenAIServingChat:
                                      media_type="text/event-stream")
         outs = await read_all(self.core, [stream])
         check_errors(outs)
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=out.text),
-                              logprobs=self._logprobs(out, name), finish_reason=out.finish_reason,
-                              stop_reason=out.stop_reason) for i, out in enumerate(outs)]
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs),
-                                      prompt_logprobs=vllm_prompt_logprobs(outs[0], req.prompt_logprobs, name),
-                                      kv_transfer_params=kv_transfer_params(outs))
+        choices = [dict(index=i, message=dict(role="assistant", content=out.text),
+                        logprobs=self._logprobs(out, name), finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason) for i, out in enumerate(outs)]
+        return json_response(response_body(
+            request_id, "chat.completion", model, choices, usage=usage(outs),
+            prompt_logprobs=vllm_prompt_logprobs(outs[0], req.prompt_logprobs, name),
+            kv_transfer_params=kv_transfer_params(outs)))
 
     @staticmethod
-    def _top(token: int, logprob: float, name) -> TopLogprob:
+    def _top(token: int, logprob: float, name) -> dict:
         text = name(token)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        return dict(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    def _logprobs(self, out: StreamOutput, name) -> ChatLogprobs | None:
+    def _logprobs(self, out: StreamOutput, name) -> dict | None:
         if out.logprobs is None:
             return None
-        content = []
-        for token, entry in zip(out.token_ids, out.logprobs):
-            top = sorted(entry.items(), key=lambda kv: -kv[1])
-            sampled = self._top(token, entry[token], name)
-            content.append(ChatLogprobToken(**sampled.model_dump(),
-                                            top_logprobs=[self._top(t, v, name) for t, v in top]))
-        return ChatLogprobs(content=content)
+        return dict(content=[dict(self._top(token, entry[token], name), top_logprobs=[
+            self._top(t, v, name) for t, v in sorted(entry.items(), key=lambda kv: -kv[1])])
+            for token, entry in zip(out.token_ids, out.logprobs)])
 
     async def _stream(self, request_id, model, stream, req: ChatCompletionRequest, name):
-        chunk = lambda choice, **kw: sse(ChatCompletionChunk(  # noqa: E731
-            id=request_id, model=model, choices=[choice] if choice else [], **kw))
-        finals: dict[int, StreamOutput] = {}
+        frames, finals = Frames(request_id, "chat.completion.chunk", model), {}
         try:
-            for i in range(stream.n):
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-            async with aclosing(read_streams(self.core, [stream])) as deltas:
-                async for i, out in deltas:
-                    finals[i] = out if i not in finals else finals[i].merged(out)
-                    check_errors([out])
-                    if out.text or out.finished or out.logprobs or out.prompt_logprobs:
-                        yield chunk(ChatStreamChoice(
-                            index=i, delta=DeltaMessage(content=out.text or None),
-                            logprobs=self._logprobs(out, name),
-                            finish_reason=out.finish_reason if out.finished else None),
-                            prompt_logprobs=vllm_prompt_logprobs(out, req.prompt_logprobs, name))
+            yield b"".join(frames.chunk([dict(index=i, delta=dict(role="assistant", content=""),
+                                              logprobs=None, finish_reason=None)]) for i in range(stream.n))
+            async with aclosing(read_streams(self.core, [stream])) as batches:
+                async for batch in batches:  # one write for what came together
+                    chunks = []
+                    for i, out in batch:
+                        finals[i] = out if i not in finals else finals[i].merged(out)
+                        check_errors([out])
+                        if out.text or out.finished or out.logprobs or out.prompt_logprobs:
+                            prompt_lps = vllm_prompt_logprobs(out, req.prompt_logprobs, name)
+                            chunks.append(frames.chunk(
+                                [dict(index=i, delta=dict(content=out.text or None),
+                                      logprobs=self._logprobs(out, name),
+                                      finish_reason=out.finish_reason if out.finished else None)],
+                                **({"prompt_logprobs": prompt_lps} if prompt_lps else {})))
+                    if chunks:
+                        yield b"".join(chunks)
             if req.include_usage:
-                yield chunk(None, usage=usage(list(finals.values())))
+                yield frames.chunk([], usage=usage(list(finals.values())))
         except Exception as e:  # the engine failed mid-stream: tell the client, then end
             yield sse_error(e)
-        yield "data: [DONE]\n\n"
+        yield DONE

@@ -9,13 +9,12 @@ from starlette.responses import StreamingResponse
 
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.output_processor import StreamOutput
-from longserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
-                                                   CompletionRequest, CompletionResponse,
-                                                   OpenAIError, random_id)
-from longserve.entrypoints.openai.serving_engine import (TokenNames, check_errors, check_model,
-                                                         kv_transfer_params, read_all,
-                                                         read_streams, sampling_params, sse,
-                                                         sse_error, submit, usage, vllm_prompt_logprobs)
+from longserve.entrypoints.openai.protocol import CompletionRequest, OpenAIError, random_id
+from longserve.entrypoints.openai.serving_engine import (DONE, Frames, TokenNames, check_errors,
+                                                         check_model, json_response,
+                                                         kv_transfer_params, read_all, read_streams,
+                                                         response_body, sampling_params, sse_error,
+                                                         submit, usage, vllm_prompt_logprobs)
 
 
 def normalize_prompts(prompt) -> list:
@@ -43,7 +42,7 @@ class OpenAIServingCompletion:
         prompt_k = max(req.logprobs, req.prompt_logprobs or 0) if scored else req.prompt_logprobs
         if prompt_k is not None and req.n > 1:
             raise OpenAIError("prompt scoring (echo with logprobs, prompt_logprobs) needs n=1", param="n")
-        params = sampling_params(req, req.max_tokens, req.logprobs, self.core, prompt_k)
+        params = await sampling_params(req, req.max_tokens, req.logprobs, self.core, prompt_k)
         submitted = submit(self.core, normalize_prompts(req.prompt), params, "prompt")
         # per prompt: (the echoed text, the prompt ids whose logprobs lead the choice's)
         echoes = [(self._echo(r) if req.echo else "", r.prompt_token_ids if scored else None)
@@ -58,8 +57,8 @@ class OpenAIServingCompletion:
         outs = await read_all(self.core, streams)
         check_errors(outs)
         choices = [shape.choice(i, out, echoes[i // req.n], 0) for i, out in enumerate(outs)]
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage(outs),
-                                  kv_transfer_params=kv_transfer_params(outs))
+        return json_response(response_body(request_id, "text_completion", model, choices, usage=usage(outs),
+                                           kv_transfer_params=kv_transfer_params(outs)))
 
     def _echo(self, request) -> str:
         return request.prompt if request.prompt is not None else \
@@ -68,23 +67,25 @@ class OpenAIServingCompletion:
     async def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, shape):
         outs: dict[int, StreamOutput] = {}
         offsets = [0] * (len(streams) * req.n)
+        frames = Frames(request_id, "text_completion", model)
         try:
-            async with aclosing(read_streams(self.core, streams)) as deltas:
-                async for index, out in deltas:
-                    echo = echoes[index // req.n] if index not in outs else ("", None)
-                    outs[index] = out if index not in outs else outs[index].merged(out)
-                    check_errors([out])
-                    if not (echo[0] or out.text or out.finished or out.logprobs or req.return_token_ids):
-                        continue  # tokens whose text is held back (a character or a stop string unfinished)
-                    choice = shape.choice(index, out, echo, offsets[index])
-                    offsets[index] += len(echo[0]) + len(out.text)
-                    yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+            async with aclosing(read_streams(self.core, streams)) as batches:
+                async for batch in batches:  # one write for what came together
+                    chunks = []
+                    for index, out in batch:
+                        echo = echoes[index // req.n] if index not in outs else ("", None)
+                        outs[index] = out if index not in outs else outs[index].merged(out)
+                        check_errors([out])
+                        if echo[0] or out.text or out.finished or out.logprobs or req.return_token_ids:
+                            chunks.append(frames.chunk([shape.choice(index, out, echo, offsets[index])]))
+                            offsets[index] += len(echo[0]) + len(out.text)
+                    if chunks:  # else tokens whose text is held back (a character or a stop string)
+                        yield b"".join(chunks)
             if req.include_usage:
-                yield sse(CompletionResponse(id=request_id, model=model, choices=[],
-                                             usage=usage(list(outs.values()))))
+                yield frames.chunk([], usage=usage(list(outs.values())))
         except Exception as e:  # the engine failed mid-stream: tell the client, then end
             yield sse_error(e)
-        yield "data: [DONE]\n\n"
+        yield DONE
 
 
 @dataclass
@@ -94,27 +95,26 @@ class _Shape:
     with_ids: bool
     prompt_k: int | None  # None: not asked
 
-    def choice(self, index: int, out: StreamOutput, echo: tuple, text_offset: int) -> CompletionChoice:
-        return CompletionChoice(index=index, text=echo[0] + out.text,
-                                logprobs=self.logprobs(out, text_offset, echo[1]),
-                                prompt_logprobs=vllm_prompt_logprobs(out, self.prompt_k, self.name),
-                                finish_reason=out.finish_reason if out.finished else None,
-                                stop_reason=out.stop_reason if out.finished else None,
-                                token_ids=out.token_ids if self.with_ids else None)
+    def choice(self, index: int, out: StreamOutput, echo: tuple, text_offset: int) -> dict:
+        return dict(index=index, text=echo[0] + out.text, logprobs=self.logprobs(out, text_offset, echo[1]),
+                    prompt_logprobs=vllm_prompt_logprobs(out, self.prompt_k, self.name),
+                    finish_reason=out.finish_reason if out.finished else None,
+                    stop_reason=out.stop_reason if out.finished else None,
+                    token_ids=out.token_ids if self.with_ids else None)
 
-    def logprobs(self, out: StreamOutput, offset: int, echo_ids) -> CompletionLogprobs | None:
+    def logprobs(self, out: StreamOutput, offset: int, echo_ids) -> dict | None:
         """The tokens' logprobs; with echo the prompt's first (the first of all has none)."""
         if out.logprobs is None:
             return None
         ids, entries = out.token_ids, out.logprobs
         if echo_ids is not None and out.prompt_logprobs is not None:
             ids, entries = echo_ids + ids, out.prompt_logprobs + entries
-        lp = CompletionLogprobs()
+        lp = dict(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
         for token, entry in zip(ids, entries):
             text = self.name(token)
-            lp.tokens.append(text)
-            lp.token_logprobs.append(None if entry is None else entry[token])
-            lp.top_logprobs.append(None if entry is None else {self.name(t): v for t, v in entry.items()})
-            lp.text_offset.append(offset)
+            lp["tokens"].append(text)
+            lp["token_logprobs"].append(None if entry is None else entry[token])
+            lp["top_logprobs"].append(None if entry is None else {self.name(t): v for t, v in entry.items()})
+            lp["text_offset"].append(offset)
             offset += len(text)
         return lp

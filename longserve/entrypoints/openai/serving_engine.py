@@ -1,21 +1,22 @@
 """What completions and chat share: sampling params from a request, handing prompts to the
-engine core, reading their streams (aborting what a gone client leaves), SSE framing."""
+engine core, reading their streams (aborting what a gone client leaves), responses and SSE
+frames as plain dicts encoded by msgspec (a chunk's constant head is encoded once per stream)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
+import time
 from contextlib import aclosing
 from functools import lru_cache
 
-from pydantic import BaseModel
+import msgspec
+from starlette.responses import Response
 
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.messages import EngineCoreRequest
 from longserve.engine.output_processor import EngineDeadError, EngineOverloadedError, StreamOutput
-from longserve.entrypoints.openai.protocol import (OpenAIError, PromptLogprob, SamplingFields,
-                                                   UsageInfo)
+from longserve.entrypoints.openai.protocol import OpenAIError, SamplingFields
 from longserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("longserve.server")
@@ -48,8 +49,8 @@ def check_fields(req: SamplingFields) -> None:
         logger.warning("The following fields were present in the request but ignored: %s", set(new))
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    core: LLMEngine, prompt_logprobs: int | None = None) -> SamplingParams:
+async def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                          core: LLMEngine, prompt_logprobs: int | None = None) -> SamplingParams:
     if req.best_of not in (None, 1):
         raise OpenAIError(f"best_of must be 1 (best_of > 1 is not supported; n gives several "
                           f"choices), got {req.best_of}", param="best_of")
@@ -69,10 +70,11 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
             extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None)
     except (ValueError, TypeError) as e:
         raise OpenAIError(str(e), param=_param_of(str(e))) from None
-    try:  # the door compiles it too (cached): a schema xgrammar cannot compile is a 400 here
+    try:  # the door compiles it too (cached, on a thread: off the event loop), so a schema
+        # that xgrammar cannot compile is a 400 here
         params.structured_outputs = so and StructuredOutputsParams(**so)
         if so:
-            core.check_structured_outputs(params.structured_outputs)
+            await asyncio.to_thread(core.check_structured_outputs, params.structured_outputs)
     except (ValueError, TypeError) as e:
         raise OpenAIError(f"{field}: {e}", param=field) from None
     return params
@@ -86,6 +88,10 @@ def structured_outputs(req: SamplingFields) -> tuple[dict | None, str | None]:
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise OpenAIError("response_format: json_schema.schema is required for type json_schema",
+                              param="response_format")
+        if rf.json_schema.strict is False:  # a schema that is only a hint: not offered
+            raise OpenAIError("response_format: json_schema.strict=false is not supported (the "
+                              "schema is always enforced); leave strict out or set it true",
                               param="response_format")
         asked["response_format"] = {"json": rf.json_schema.schema_}
     if req.structured_outputs is not None:
@@ -131,14 +137,15 @@ def unavailable(e: Exception) -> OpenAIError:
 
 
 async def read_streams(core: LLMEngine, streams: list):
-    """(choice index, delta) from all streams as they come (prompt i's choice j is i * n + j,
-    as OpenAI numbers them); on exit aborts every unfinished request (a client that went away
-    leaves nothing running and no KV block held; a finished one is not aborted again)."""
+    """Batches of (choice index, delta) from all streams, each what was ready at once (prompt
+    i's choice j is i * n + j, as OpenAI numbers them); on exit aborts every unfinished request
+    (a client that went away leaves nothing running and no KV block held; a finished one is
+    not aborted again)."""
     source = _one(streams[0]) if len(streams) == 1 else _interleaved(streams)
     try:
-        async with aclosing(source) as items:
-            async for i, out in items:
-                yield i * streams[i].n + out.index, out
+        async with aclosing(source) as batches:
+            async for batch in batches:
+                yield [(i * streams[i].n + out.index, out) for i, out in batch]
     except EngineDeadError as e:
         raise unavailable(e) from None
     finally:
@@ -147,8 +154,8 @@ async def read_streams(core: LLMEngine, streams: list):
 
 
 async def _one(stream):
-    async for out in stream:
-        yield 0, out
+    async for outs in stream.batches():
+        yield [(0, out) for out in outs]
 
 
 async def _interleaved(streams: list):
@@ -156,8 +163,8 @@ async def _interleaved(streams: list):
 
     async def pump(index, stream):
         try:
-            async for out in stream:
-                queue.put_nowait((index, out))
+            async for outs in stream.batches():
+                queue.put_nowait((index, outs))
             queue.put_nowait((index, None))  # every choice of it finished
         except Exception as e:
             queue.put_nowait((index, e))
@@ -166,13 +173,14 @@ async def _interleaved(streams: list):
     try:
         left = len(streams)
         while left:  # until each stream finished (or one failed)
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                left -= 1
-            else:
-                yield index, item
+            batch = []
+            for index, item in [await queue.get()] + [queue.get_nowait() for _ in range(queue.qsize())]:
+                if isinstance(item, Exception):
+                    raise item
+                left -= item is None
+                batch += [(index, out) for out in item or ()]
+            if batch:
+                yield batch
     finally:
         for task in tasks:
             task.cancel()
@@ -192,45 +200,63 @@ def kv_transfer_params(outs: list[StreamOutput]) -> dict | None:
 async def read_all(core: LLMEngine, streams: list) -> list[StreamOutput]:
     """The whole output of each choice of each stream, in order."""
     outs: list[StreamOutput | None] = [None] * sum(s.n for s in streams)
-    async with aclosing(read_streams(core, streams)) as deltas:
-        async for index, out in deltas:
-            outs[index] = out if outs[index] is None else outs[index].merged(out)
+    async with aclosing(read_streams(core, streams)) as batches:
+        async for batch in batches:
+            for index, out in batch:
+                outs[index] = out if outs[index] is None else outs[index].merged(out)
     return outs
 
 
-def usage(outs: list[StreamOutput]) -> UsageInfo:
+def usage(outs: list[StreamOutput]) -> dict:
     """A prompt's tokens count once (with its choice 0), every choice's output tokens."""
     prompt = sum(o.num_prompt_tokens for o in outs if o.index == 0)
     completion = sum(o.num_output_tokens for o in outs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def vllm_prompt_logprobs(out: StreamOutput, k: int | None, name) -> list | None:
     """The engine's prompt logprobs ([None, {target: lp, top-k...}, ...]) in vLLM's shape:
-    {token id: {logprob, rank, decoded_token}}. The target is each entry's first key; its rank
-    is known only when it is in the top k."""
+    {token id: {logprob, rank, decoded_token}}. The target is each entry's first key, its rank
+    the engine's (also outside the top k); the top k rank by their order."""
     if k is None or out.prompt_logprobs is None:
         return None
     shaped = []
-    for entry in out.prompt_logprobs:
+    for entry, target_rank in zip(out.prompt_logprobs, out.prompt_ranks):
         if entry is None:
             shaped.append(None)
             continue
-        target = next(iter(entry))
-        ranked = [t for t in sorted(entry, key=entry.get, reverse=True) if t != target or len(entry) == k]
-        shaped.append({t: PromptLogprob(logprob=lp, rank=ranked.index(t) + 1 if t in ranked else None,
-                                        decoded_token=name(t)) for t, lp in entry.items()})
+        rank = {t: i + 1 for i, t in enumerate(sorted(entry, key=entry.get, reverse=True))}
+        rank[next(iter(entry))] = target_rank
+        shaped.append({t: dict(logprob=lp, rank=rank[t], decoded_token=name(t)) for t, lp in entry.items()})
     return shaped
 
 
-def sse(obj: BaseModel | dict) -> str:
-    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
-    return f"data: {data}\n\n"
+encode = msgspec.json.Encoder().encode
+DONE = b"data: [DONE]\n\n"
 
 
-def sse_error(e: Exception) -> str:
+def response_body(request_id: str, kind: str, model: str, choices: list, **fields) -> dict:
+    return dict(id=request_id, object=kind, created=int(time.time()), model=model, choices=choices, **fields)
+
+
+def json_response(body: dict) -> Response:
+    return Response(encode(body), media_type="application/json")
+
+
+class Frames:
+    """A stream's SSE frames: `data: {"id", "object", "created", "model"` encoded once, then
+    each chunk's choices (and fields, e.g. usage) and the end."""
+
+    def __init__(self, request_id: str, kind: str, model: str):
+        self.head = b"data: " + encode(response_body(request_id, kind, model, []))[:-len(b'"choices":[]}')]
+
+    def chunk(self, choices: list, **fields) -> bytes:
+        return self.head + encode(dict(choices=choices, **fields))[1:] + b"\n\n"
+
+
+def sse_error(e: Exception) -> bytes:
     err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), 500, "server_error")
-    return sse(err.body())
+    return b"data: " + encode(err.body()) + b"\n\n"
 
 
 class TokenNames:

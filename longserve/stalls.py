@@ -1,0 +1,55 @@
+"""First-minute stalls: start-up's objects out of the collector's way, and what stalls named.
+
+`freeze_after_warm_up()` (API servers, engine cores, workers, once warm): a collection, then
+gc.freeze() moves every object alive (modules, the model, the tokenizer: millions of them) to
+a generation that no later collection traverses, so a full collection while serving walks
+only what serving made. From then on a collection over 50 ms is logged with its generation,
+and in an API server `watch_loop_lag` logs an event loop that ran over 100 ms late.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import gc
+import logging
+import os
+import time
+
+logger = logging.getLogger("longserve.stalls")
+GC_PAUSE_S = 0.05
+LOOP_LAG_S = 0.1
+_gc_started: list[float] = []
+
+
+def freeze_after_warm_up() -> None:
+    gc.collect()
+    gc.freeze()
+    if _log_gc_pause not in gc.callbacks:
+        gc.callbacks.append(_log_gc_pause)
+        atexit.register(_thaw)
+
+
+def _thaw() -> None:
+    """At exit: the interpreter's last collections free everything (no leak reports)."""
+    gc.callbacks.remove(_log_gc_pause)
+    gc.unfreeze()
+
+
+def _log_gc_pause(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[:] = [time.perf_counter()]
+    elif _gc_started and (pause := time.perf_counter() - _gc_started.pop()) > GC_PAUSE_S:
+        logger.warning("process %d: a generation-%d garbage collection paused it %.0f ms",
+                       os.getpid(), info["generation"], 1e3 * pause)
+
+
+async def watch_loop_lag(period: float = 0.1) -> None:
+    """Log every wake-up of this event loop that came over LOOP_LAG_S late (a callback that
+    held the loop: its streams stalled that long)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(period)
+        lag = loop.time() - t - period
+        if lag > LOOP_LAG_S:
+            logger.warning("process %d: the event loop ran %.0f ms late", os.getpid(), 1e3 * lag)
