@@ -114,9 +114,6 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         x = x.contiguous()
-        small = None if self.symm is None else self.symm.gather(x)  # [W, *x.shape]
-        if small is not None:
-            return small.flatten(0, 1) if dim == 0 else torch.cat(small.unbind(0), dim=dim)
         if self._is_gloo():
             parts = [torch.empty_like(x) for _ in range(self.world_size)]
             dist.all_gather(parts, x, group=self.device_group)
@@ -145,14 +142,10 @@ class GroupCoordinator:
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [world_size, ...]: x[j] goes to rank j; returns rank j's piece for this rank at [j]
-        (all_to_all_single: one NCCL call, graph-capturable; gloo has it on CPU too; a small
-        one gathers every rank's x through symmetric memory and returns a strided view)."""
+        (all_to_all_single: one NCCL call, graph-capturable; gloo has it on CPU too)."""
         if self.world_size == 1:
             return x
         x = x.contiguous()
-        small = None if self.symm is None else self.symm.gather(x)  # [W_src, W_dst, ...]
-        if small is not None:
-            return small[:, self.rank_in_group]
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=self.device_group)
         return out

@@ -1,30 +1,30 @@
-"""Low-latency all-reduce of small tensors over NVLink, through torch symmetric memory.
+"""Low-latency all-reduce over NVLink, through torch symmetric memory.
 
-Inside a CUDA graph NCCL's all-reduce costs ~19 us even at 8 KB; over a symmetric buffer (memory
-every rank of the group can load and store) a one-shot all-reduce (each rank loads every peer's
-buffer and sums: one kernel) costs 6-7 us, a two-shot one (reduce-scatter then all-gather by peer
-loads) ~13 us at 2 MB against NCCL's 38 (2 x H200, ../shared/design/performance.md). Only peer
-loads and stores: NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
-
-An all-gather (and an all-to-all) is an all-reduce of zero-padded rows: rank r writes its x into
-row r of a zeroed [W, ...] buffer, and the sum holds every rank's x exactly (x + 0 = x, -inf and
-NaN included). It moves W times the bytes, so it pays only while latency dominates: ALGORITHMS
-sizes it by those W x bytes.
+Over a symmetric buffer (memory every rank of the group can load and store) a one-shot
+all-reduce is one kernel (each rank loads every peer's buffer and sums), a two-shot one a
+reduce-scatter then an all-gather by peer loads. Only peer loads and stores: NVLink multicast
+stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Measured inside CUDA graphs on 2 x H100
+(benchmarks/bench_allreduce.py, docs/benchmarks.md), NCCL is already ~9.6 us at 8 KB there, so
+one-shot wins by ~0.5 us up to 64 KB and two-shot by 6-9 us at 2-8 MB (prefill chunks); (2 x
+H200: NCCL 19 us at 8 KB against 6 us). An all-gather as a zero-padded all-reduce lost to NCCL's
+at every size on the H100s: gathers stay on NCCL.
 """
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# group size -> ((largest bytes, algorithm), ...) in ascending order; larger tensors, and group
-# sizes not listed, go through NCCL. 2 x H200 at 8 KB / 128 KB / 2 MB: NCCL 19.1 / 18.9 / 38.4 us,
-# one-shot 6.3 / 7.5 / 18.6, two-shot 6.2 / 7.2 / 12.8; refill from benchmarks/bench_allreduce.py.
-ALGORITHMS = {2: ((256 << 10, "one_shot"), (8 << 20, "two_shot"))}
+# group size -> ((largest bytes, algorithm), ...) in ascending order; "nccl" rows and sizes past
+# the last row go through NCCL, as do group sizes not listed. 2 x H100, bf16, per call in a graph:
+# 8 KB NCCL 9.6 / one-shot 9.1 us; 64 KB 10.3 / 9.3; 128 KB 10.1 / 10.2; 2 MB 30.5 / two-shot 21.5;
+# 8 MB 50.2 / 44.0 (benchmarks/bench_allreduce.py).
+ALGORITHMS = {2: ((64 << 10, "one_shot"), (1 << 20, "nccl"), (8 << 20, "two_shot"))}
 DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels dispatch on
 DISABLE = "LONGSERVE_SYMM_MEM"  # "0": NCCL for everything (A/B runs)
 _WARNED: list = []  # the failure is logged once, not once per group
@@ -41,7 +41,9 @@ class SymmAllReduce:
         self.table, self.name = table, group.group_name
         self.rank, self.world_size = group.rank(), group.size()
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
-            symm_mem.enable_symm_mem_for_group(self.name)
+            with warnings.catch_warnings():  # (deprecated, with a warning, from torch 2.10)
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.name)
         self.buf = symm_mem.empty(table[-1][0], dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buf, self.name)  # views of buf start at its base: same handle
 
@@ -49,7 +51,8 @@ class SymmAllReduce:
         offset = x.storage_offset() * x.element_size()  # the kernels want x aligned as the buffer
         if x.dtype not in DTYPES or not x.is_contiguous() or not nbytes or (nbytes | offset) % 16:
             return None
-        return next((alg for limit, alg in self.table if nbytes <= limit), None)
+        alg = next((alg for limit, alg in self.table if nbytes <= limit), None)
+        return None if alg == "nccl" else alg
 
     def all_reduce(self, x: torch.Tensor) -> bool:
         """Sum x over the group in place; False: not this path (dtype, layout or size)."""
@@ -59,19 +62,6 @@ class SymmAllReduce:
         flat = x.view(-1)
         self._reduce(alg, self.buf[:flat.numel() * flat.element_size()].view(x.dtype), flat, flat)
         return True
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[W, *x.shape]: every rank's x in rank order (the zero-padded all-reduce), or None."""
-        W, n = self.world_size, x.numel()
-        alg = self.algorithm(x, W * n * x.element_size())
-        if alg is None:
-            return None
-        rows = self.buf[:W * n * x.element_size()].view(x.dtype).view(W, n)
-        rows.zero_()
-        rows[self.rank].copy_(x.view(-1))
-        out = torch.empty((W,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        self._reduce(alg, rows.view(-1), None, out.view(-1))
-        return out
 
     def _reduce(self, alg: str, staged: torch.Tensor, local: torch.Tensor | None, out: torch.Tensor):
         """out = sum over ranks of staged (a view of the symmetric buffer); `local` (not
