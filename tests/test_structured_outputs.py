@@ -215,6 +215,10 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         while not self.server.started:
             time.sleep(0.02)
+        deadline = time.monotonic() + 120  # loaded and warmed up (the first SSE, a chat)
+        while httpx.get(f"{self.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.05)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
 
     def stop(self):
