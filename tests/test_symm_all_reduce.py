@@ -16,7 +16,6 @@ TABLE = ((64, "one_shot"), (256, "nccl"), (512, "two_shot"))
 class GlooStandIn(symm_all_reduce.SymmAllReduce):
     def __init__(self, group, table):  # no symmetric memory: a plain buffer
         self.table, self.name, self.group = table, None, group
-        self.rank, self.world_size = group.rank(), group.size()
         self.buf = torch.full((table[-1][0],), 7, dtype=torch.uint8)  # garbage until staged
         self.calls = []
 

@@ -155,6 +155,37 @@ def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, 
 
 
 @triton.jit
+def _attend_split(q, split, kv_len, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, qk_scale,
+                  BLOCK_M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLIT_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """The online softmax of q over this split's share of one request's KV (whole tiles):
+    (acc [M, D], m_i [M], l_i [M]) as _attend_tile leaves them (all empty for an empty share)."""
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_begin = split * per_split
+    kv_end = tl.minimum(kv_begin + per_split, kv_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if SPLIT_TAIL:  # compute-bound tiles: whole tiles unmasked, only the last one masked
+        full_end = kv_begin + tl.maximum(kv_end - kv_begin, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(kv_begin, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr,
+                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
+                                         False, DOT_PRECISION, DOT_UPCAST)
+        if full_end < kv_end:
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, full_end, kv_end, bt_row, k_ptr, v_ptr,
+                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
+                                         True, DOT_PRECISION, DOT_UPCAST)
+    else:  # memory-bound decode: one masked loop pipelines best (measured)
+        for n0 in range(kv_begin, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr,
+                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
+                                         True, DOT_PRECISION, DOT_UPCAST)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, kv_lens_ptr,
     out_ptr, lse_ptr, kv_scale_ptr,
@@ -172,9 +203,7 @@ def _paged_attn_kernel(
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    pid, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v_scale = 1.0
     if KV_FP8:  # the head's dequantization: K's scale folds into the scores, V's into the output
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kv_head)
@@ -199,33 +228,11 @@ def _paged_attn_kernel(
     if DOT_F16:  # every tile's K, P and V follow q's dtype (see FP8_DOT_F16)
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    # this split's share of the request's KV, in whole tiles
-    kv_len = tl.load(kv_lens_ptr + req)
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    kv_begin = split * per_split
-    kv_end = tl.minimum(kv_begin + per_split, kv_len)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_ptr = k_cache_ptr + kv_head * stride_kh
-    v_ptr = v_cache_ptr + kv_head * stride_kh
-    if SPLIT_TAIL:  # compute-bound tiles: whole tiles unmasked, only the last one masked
-        full_end = kv_begin + tl.maximum(kv_end - kv_begin, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(kv_begin, full_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr,
-                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
-                                         False, DOT_PRECISION, DOT_UPCAST)
-        if full_end < kv_end:
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, full_end, kv_end, bt_row, k_ptr, v_ptr,
-                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
-                                         True, DOT_PRECISION, DOT_UPCAST)
-    else:  # memory-bound decode: one masked loop pipelines best (measured)
-        for n0 in range(kv_begin, kv_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr,
-                                         stride_kn, stride_kb, qk_scale, D, PAGE, BLOCK_N, BLOCK_D,
-                                         True, DOT_PRECISION, DOT_UPCAST)
+    acc, m_i, l_i = _attend_split(q, split, tl.load(kv_lens_ptr + req),
+                                  block_table_ptr + req.to(tl.int64) * stride_bt,
+                                  k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh,
+                                  stride_kn, stride_kb, qk_scale, BLOCK_M, D, PAGE, NUM_SPLITS,
+                                  BLOCK_N, BLOCK_D, SPLIT_TAIL, DOT_PRECISION, DOT_UPCAST)
 
     # an empty range (kv_len == 0, or a split past the end) gives out 0 and lse -inf
     nonempty = l_i > 0

@@ -31,15 +31,14 @@ _WARNED: list = []  # the failure is logged once, not once per group
 
 
 class SymmAllReduce:
-    """One process group's symmetric buffer (allocated and rendezvoused once) and the ops on it.
-    Every call takes a tensor it can handle and returns True / a result, or leaves it to NCCL
-    (False / None); the choice depends on shapes only, so every rank makes the same one."""
+    """One process group's symmetric buffer (allocated and rendezvoused once) and the all-reduce
+    on it. all_reduce takes a tensor it can handle (True) or leaves it to NCCL (False); the
+    choice depends on shapes only, so every rank makes the same one."""
 
     def __init__(self, group, device: torch.device, table):
         import torch.distributed._symmetric_memory as symm_mem
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.table, self.name = table, group.group_name
-        self.rank, self.world_size = group.rank(), group.size()
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
             with warnings.catch_warnings():  # (deprecated, with a warning, from torch 2.10)
                 warnings.simplefilter("ignore", FutureWarning)
@@ -63,16 +62,14 @@ class SymmAllReduce:
         self._reduce(alg, self.buf[:flat.numel() * flat.element_size()].view(x.dtype), flat, flat)
         return True
 
-    def _reduce(self, alg: str, staged: torch.Tensor, local: torch.Tensor | None, out: torch.Tensor):
-        """out = sum over ranks of staged (a view of the symmetric buffer); `local` (not
-        symmetric) is copied into staged first. out may be `local` (each element is read
-        before it is written, by the same thread)."""
+    def _reduce(self, alg: str, staged: torch.Tensor, local: torch.Tensor, out: torch.Tensor):
+        """out = the sum over ranks of `local`, staged through `staged` (a view of the symmetric
+        buffer). out may be `local` (each element is read before it is written, by one thread)."""
         ops = torch.ops.symm_mem
-        if alg == "one_shot" and local is not None and hasattr(ops, "one_shot_all_reduce_copy_out"):
+        if alg == "one_shot" and hasattr(ops, "one_shot_all_reduce_copy_out"):
             ops.one_shot_all_reduce_copy_out(staged, local, "sum", self.name, out)  # copy fused in
             return
-        if local is not None:
-            staged.copy_(local)
+        staged.copy_(local)
         if alg == "one_shot":
             ops.one_shot_all_reduce_out(staged, "sum", self.name, out)
         elif hasattr(ops, "two_shot_all_reduce_out"):

@@ -70,12 +70,10 @@ def core_gpus(config: EngineConfig, num_local_cores: int) -> list[list[str]] | N
     ones. A layout that needs more than are visible is refused before anything starts."""
     if config.device != "cuda":
         return None
+    from longserve.engine.executor import check_visible_gpus
     per_core, visible = config.parallel.replica_size, visible_gpus()
-    need = per_core * num_local_cores
-    if need > len(visible):
-        raise ValueError(f"this layout needs {need} GPUs on this host ({num_local_cores} engine "
-                         f"core(s) x {per_core} ranks) but {len(visible)} are visible "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    check_visible_gpus(per_core * num_local_cores, len(visible),
+                       f" on this host ({num_local_cores} engine core(s) x {per_core} ranks)")
     return [visible[i * per_core:(i + 1) * per_core] for i in range(num_local_cores)]
 
 

@@ -352,11 +352,12 @@ def reap(procs: list, timeout_s: float) -> None:
         kill_and_reap(stuck)
 
 
-def check_visible_gpus(need: int) -> None:
-    have = torch.cuda.device_count()
+def check_visible_gpus(need: int, have: int | None = None, what: str = "") -> None:
+    """Refuse a layout that needs more GPUs than this process sees (`have`: the device count)."""
+    have = torch.cuda.device_count() if have is None else have
     if need > have:
-        raise ValueError(f"this layout needs {need} GPUs but {have} are visible (CUDA_VISIBLE_DEVICES="
-                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise ValueError(f"this layout needs {need} GPUs{what} but {have} are visible "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
 def make_room_for_process_group() -> None:
