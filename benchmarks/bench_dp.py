@@ -135,11 +135,11 @@ def bench_dense(args) -> list[dict]:
 def bench_moe(args) -> list[dict]:
     path = model_folder(args.model or "builtin:qwen3-30b-a3b-shape", args.num_layers)
     dbo = dict(enable_dbo=True, dbo_decode_token_threshold=args.dbo_decode_threshold)
-    layouts = [dict(tensor_parallel_size=2),
-               dict(data_parallel_size=2, enable_expert_parallel=True),
-               dict(data_parallel_size=2, enable_expert_parallel=True, **dbo)]
-    if args.with_tp_dbo:
-        layouts.append(dict(tensor_parallel_size=2, **dbo))
+    layouts = {"tp2": dict(tensor_parallel_size=2),
+               "dp2ep": dict(data_parallel_size=2, enable_expert_parallel=True),
+               "dp2ep-dbo": dict(data_parallel_size=2, enable_expert_parallel=True, **dbo),
+               "tp2-dbo": dict(tensor_parallel_size=2, **dbo)}
+    layouts = [layouts[name] for name in args.layouts]
     rows = []
     for n in args.batches:
         for layout in layouts:
@@ -181,7 +181,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--dbo-decode-threshold", type=int, default=32)
     p.add_argument("--bw", type=float, default=3.35e12, help="HBM bytes/s for the floor (H100)")
-    p.add_argument("--with-tp-dbo", action="store_true", help="also tp=2 with DBO")
+    p.add_argument("--layouts", nargs="+", default=["tp2", "dp2ep", "dp2ep-dbo"],
+                   choices=["tp2", "dp2ep", "dp2ep-dbo", "tp2-dbo"], help="moe: the layouts to run")
     p.add_argument("--dbo-batches", type=int, nargs="*", default=None,
                    help="the batches at which the DBO layouts run (default: all)")
     args = p.parse_args()

@@ -55,3 +55,19 @@ def test_torchrun_launch_matches_one_rank():
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     text = lambda out: [json.loads(line)["text"] for line in out.splitlines() if line.startswith("{")]  # noqa: E731
     assert text(two.stdout) == text(one.stdout) and len(text(one.stdout)) == 1
+
+
+def test_watchdog_of_a_replica_without_workers_returns_at_once():
+    """A DP rank of an expert model is a replica of one rank (world > 1, no children): the
+    watchdog has nothing to watch and must not spin (it held the GIL and starved the rank's
+    CUDA-graph capture on two H100s)."""
+    import threading
+    from types import SimpleNamespace
+
+    from longserve.engine.executor import watch
+    ex = SimpleNamespace(failure=None, _closing=False, procs=[], worker_ranks=range(1, 1),
+                         _waiting=None, timeout=60.0)
+    t = threading.Thread(target=watch, args=(lambda: ex,))  # watch takes a weakref-like callable
+    t.start()
+    t.join(timeout=2)
+    assert not t.is_alive()

@@ -380,7 +380,9 @@ def watch(ref: weakref.ref) -> None:
     and kills the workers so that rank 0's pending collective fails at once."""
     while True:
         ex = ref()
-        if ex is None or ex.failure or ex._closing:
+        # no children (a DP rank of an expert model is a replica of one rank): nothing to watch,
+        # and the loop below would spin holding the GIL (it starved capture: 2026-11-25)
+        if ex is None or ex.failure or ex._closing or not ex.procs:
             return
         for rank, p in zip(ex.worker_ranks, ex.procs):
             p.join(timeout=0.1)
