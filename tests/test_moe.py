@@ -3,14 +3,17 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from hf_models import VOCAB, make_hf_model
 from longserve import LLM
-from longserve.models.moe import grouped_linear, select_experts
+from longserve.models.moe import FusedMoE, grouped_linear, local_experts, select_experts
 from test_hf_parity import check_against_hf, prompts
 
 ARCHS = ["qwen3_moe", "mixtral"]
@@ -110,20 +113,66 @@ def check_fused_kernel() -> None:
     g = torch.Generator().manual_seed(0)
     configs = [(1 << 62, 16, 16, 32, 4, 1), (1 << 62, 32, 32, 16, 4, 1)]  # K and N tails
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-        for config, (num_tokens, k) in zip(configs, [(7, 2), (19, 3)]):
+        for config, (num_tokens, k), first in zip(configs, [(7, 2), (19, 3)], [0, 6]):
             fk.BLOCK_CONFIGS = [config]
             x = torch.randn(num_tokens, 40, generator=g)
             w13, w2 = torch.randn(6, 48, 40, generator=g) / 6, torch.randn(6, 40, 24, generator=g) / 5
-            local = torch.randint(0, 7, (num_tokens * k,), generator=g)  # 6: another rank's
-            weights = torch.rand(num_tokens * k, generator=g)
-            got = fk.fused_experts(x.to(dtype), w13.to(dtype), w2.to(dtype), local, weights, k)
-            ref = ref_experts(x, w13, w2, local, weights, k)
+            ids = torch.randint(-1, first + 7, (num_tokens, k), generator=g)  # not all ours
+            weights = torch.rand(num_tokens, k, generator=g)
+            got = fk.fused_experts(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights, first)
+            local = local_experts(ids, first, 6)
+            ref = ref_experts(x, w13, w2, local, weights.flatten(), k)
             torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
             slot_pair, block_expert = fk.align_pairs(local, 6, config[1])
             real = slot_pair < local.numel()
             assert sorted(slot_pair[real].tolist()) == (local < 6).nonzero().flatten().tolist()
             owner = block_expert.repeat_interleave(config[1])  # every real slot in its expert's block
             assert torch.equal(local[slot_pair[real]], owner[real])
+    check_align_kernel()
+    check_moe_layer_fused_path()
+
+
+@settings(max_examples=30, deadline=None)
+@given(num_local=st.sampled_from([1, 6, 8, 128]), first=st.integers(0, 12),
+       num_tokens=st.integers(1, 40), k=st.integers(1, 8), block_m=st.sampled_from([16, 32, 64]),
+       one_expert=st.booleans(), seed=st.integers(0, 2**31))
+@example(num_local=6, first=3, num_tokens=1, k=8, block_m=16, one_expert=False, seed=0)
+@example(num_local=128, first=0, num_tokens=40, k=8, block_m=16, one_expert=True, seed=0)
+def check_align_kernel(num_local, first, num_tokens, k, block_m, one_expert, seed):
+    """The one-program align kernel gives align_pairs' tensors exactly, for ids anywhere in
+    [-1, first + 2 * num_local + 2): id -1, other ranks' experts below and above ours."""
+    from longserve.models.fused_moe_kernel import align_pairs, align_pairs_fused
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, first + 2 * num_local + 2, (num_tokens, k), generator=g)
+    if one_expert:  # every pair to one of ours: the longest run
+        ids.fill_(first + seed % num_local)
+    got = align_pairs_fused(ids, first, num_local, block_m)
+    ref = align_pairs(local_experts(ids, first, num_local), num_local, block_m)
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+
+
+def check_moe_layer_fused_path() -> None:
+    """FusedMoE.experts on the fused kernels (expert parallel, rank 1 of 2: experts [6, 12) of
+    12) equals its grouped torch path."""
+    from longserve.models import fused_moe_kernel as fk
+    cfg = SimpleNamespace(num_experts=12, moe_intermediate_size=24, hidden_size=40,
+                          num_experts_per_tok=3, norm_topk_prob=True)
+    group = SimpleNamespace(world_size=2, rank_in_group=1)
+    ps = SimpleNamespace(dp=SimpleNamespace(world_size=1, rank_in_group=0), tp=group)
+    moe = FusedMoE(cfg, ps, expert_parallel=True)
+    g = torch.Generator().manual_seed(1)
+    for p in (moe.gate.weight, moe.w13, moe.w2):
+        p.data.copy_(torch.randn(p.shape, generator=g) / 6)
+    x = torch.randn(5, 40, generator=g)
+    weights, ids = moe.route(x)
+    ids[0, 0] = -1  # a pair for no one
+    assert (local_experts(ids, 6, 6) < 6).any() and (local_experts(ids, 6, 6) == 6).any()
+    pairs = moe.grouped_experts(x, local_experts(ids, 6, 6), weights.flatten(), 3)
+    for max_pairs in (0, fk.ALIGN_KERNEL_MAX_PAIRS):  # torch align_pairs, then the kernel
+        fk.ALIGN_KERNEL_MAX_PAIRS = max_pairs
+        got = moe.experts(x, weights, ids)
+        torch.testing.assert_close(got, pairs.view(5, 3, -1).sum(1), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.timeout(300)

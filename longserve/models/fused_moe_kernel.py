@@ -1,8 +1,10 @@
 """A fused mixture-of-experts kernel: both expert GEMMs over the step's (token, expert) pairs.
 
 The pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M
-(`align_pairs`, torch ops with no host sync), so every block of BLOCK_M sorted slots holds the
-pairs of one expert, or none (blocks past the used ones exit at once). One kernel, launched twice:
+(`align_pairs_fused`: one single-program kernel for decode-sized steps, where ~30 tiny torch ops
+would cost more launch time than the GEMMs; `align_pairs`, torch ops, above), so every block of
+BLOCK_M sorted slots holds the pairs of one expert, or none (blocks past the used ones exit at
+once). One kernel, launched twice:
   1. gate-up: x's rows gathered by token -> silu(x W_gate^T) * (x W_up^T) -> h [slots, width]
   2. down:    h in slot order -> (h W_down^T) * routing weight -> out [pairs, hidden], pair order
 A block reads its expert's weights once: at decode (a few pairs an expert) the step reads each
@@ -19,10 +21,13 @@ import triton
 import triton.language as tl
 
 from longserve.attention.triton_kernels import _dot
+from longserve.models.moe import local_experts
 
 # (up to this many pairs, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): provisional, until
 # benchmarks/bench_moe_kernel.py --sweep has timed the others at Qwen3-30B-A3B's shapes
 BLOCK_CONFIGS = [(256, 16, 64, 128, 4, 4), (2048, 32, 64, 64, 4, 4), (1 << 62, 64, 128, 64, 8, 3)]
+ALIGN_KERNEL_MAX_PAIRS = 8192  # one program aligns up to this many pairs; above, torch ops
+ALIGN_CHUNK = 64  # pairs (or blocks) a step of _align_kernel's loops
 
 
 def block_config(num_pairs: int) -> tuple:
@@ -50,6 +55,62 @@ def align_pairs(local: torch.Tensor, num_local: int, block_m: int):
     starts = torch.arange(0, num_slots, block_m, device=dev)
     block_expert = torch.searchsorted(padded_end, starts, right=True)
     return slot_pair, torch.where(block_expert < num_local, block_expert, -1)
+
+
+@triton.jit
+def _one_hot(ids_ptr, start, first, num_local, num_pairs, CHUNK: tl.constexpr,
+             E_BINS: tl.constexpr):
+    """[CHUNK, E_BINS] int32: 1 where pair start + i goes to this rank's expert e (a row of
+    zeros for other ranks' experts, id -1, and pairs past the end)."""
+    pairs = start + tl.arange(0, CHUNK)
+    local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - first
+    hot = (local[:, None] == tl.arange(0, E_BINS)[None, :]) & (local < num_local)[:, None]
+    return hot.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, first, num_local, num_pairs,
+                  num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BINS: tl.constexpr):
+    """align_pairs in one program, no atomics: count each expert's pairs, lay the padded runs
+    end to end, then put each pair at its run's start + its rank among its expert's pairs."""
+    counts = tl.zeros([E_BINS], tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        counts += tl.sum(_one_hot(ids_ptr, start, first, num_local, num_pairs, CHUNK, E_BINS), 0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    run_end = tl.cumsum(padded, 0)  # [E_BINS]; bins past num_local: the total
+    run_start = run_end - padded
+    for b in range(0, num_blocks, CHUNK):  # every slot padding, every block its expert
+        blocks = b + tl.arange(0, CHUNK)
+        # searchsorted(run_end, block start, right): the runs that end by it (num_local or
+        # more past the last run: the extra bins end there too)
+        expert = tl.sum((run_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), 1)
+        tl.store(block_expert_ptr + blocks, tl.where(expert < num_local, expert, -1),
+                 mask=blocks < num_blocks)
+        slots = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(slot_pair_ptr + slots, num_pairs, mask=(blocks < num_blocks)[:, None])
+    tl.debug_barrier()  # the padding is written before pass 2 overwrites the used slots
+    seen = tl.zeros([E_BINS], tl.int32)  # each expert's pairs in the chunks before
+    for start in range(0, num_pairs, CHUNK):
+        hot = _one_hot(ids_ptr, start, first, num_local, num_pairs, CHUNK, E_BINS)
+        rank = tl.cumsum(hot, 0) - 1 + seen[None, :]  # [CHUNK, E_BINS], read where hot: stable
+        slot = tl.sum(hot * (run_start[None, :] + rank), 1)
+        pairs = start + tl.arange(0, CHUNK)
+        tl.store(slot_pair_ptr + slot, pairs.to(tl.int64), mask=tl.sum(hot, 1) > 0)
+        seen += tl.sum(hot, 0)
+
+
+def align_pairs_fused(ids: torch.Tensor, first: int, num_local: int, block_m: int):
+    """align_pairs(local_experts(ids, first, num_local), num_local, block_m), the same tensors,
+    in one launch: ids [...] global expert ids; this rank holds [first, first + num_local)."""
+    ids = ids.reshape(-1).contiguous()
+    num_pairs = ids.numel()
+    num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m
+    slot_pair = ids.new_empty(num_slots)
+    block_expert = ids.new_empty(num_slots // block_m)
+    _align_kernel[(1,)](ids, slot_pair, block_expert, first, num_local, num_pairs,
+                        block_expert.numel(), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK,
+                        E_BINS=triton.next_power_of_2(num_local))
+    return slot_pair, block_expert
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compile for every batch
@@ -88,14 +149,20 @@ def _expert_gemm(a_ptr, b_ptr, c_ptr, slot_pair_ptr, block_expert_ptr, weight_pt
     tl.store(c, out.to(c_ptr.dtype.element_ty), mask=real[:, None] & (cols < N)[None, :])
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, local: torch.Tensor,
-                  weights: torch.Tensor, top_k: int) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor, first: int = 0) -> torch.Tensor:
     """x [T, hidden]; w13 [E, 2 * width, hidden] (gate rows, then up); w2 [E, hidden, width];
-    local [T * top_k] each pair's local expert (E: none here); weights [T * top_k] float32
-    -> [T * top_k, hidden]: weight * expert(x[token]) per pair, zero for other ranks' pairs."""
-    num_pairs, (num_local, hidden, width) = local.numel(), w2.shape
+    ids [T, top_k] global expert ids (this rank's: [first, first + E)); weights [T, top_k]
+    float32 -> [T * top_k, hidden]: weight * expert(x[token]) per pair, zero for other ranks'
+    pairs (and id -1)."""
+    (num_tokens, top_k), (num_local, hidden, width) = ids.shape, w2.shape
+    num_pairs = num_tokens * top_k
     bm, bn, bk, warps, stages = block_config(num_pairs)
-    slot_pair, block_expert = align_pairs(local, num_local, bm)
+    if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:  # one launch instead of ~35
+        slot_pair, block_expert = align_pairs_fused(ids, first, num_local, bm)
+    else:  # torch ops use the whole GPU
+        slot_pair, block_expert = align_pairs(local_experts(ids, first, num_local), num_local, bm)
+    weights = weights.flatten().float()  # no copy for select_experts' [T, k] float32
     h = x.new_empty(slot_pair.numel(), width)
     out = x.new_zeros(num_pairs, hidden)
     on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"

@@ -192,12 +192,11 @@ class FusedMoE(nn.Module):
         of other ranks' experts, or id -1), and a token's k rows add up in float32: no atomics,
         no step that waits for the device, shapes set by T alone (CUDA graphs)."""
         num_tokens, k = ids.shape
-        local = ids.flatten() - self.first
-        local = torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
-        if use_fused_kernel(x, local.numel()):
+        if use_fused_kernel(x, ids.numel()):  # it finds this rank's pairs itself
             from longserve.models.fused_moe_kernel import fused_experts
-            pairs = fused_experts(x, self.w13, self.w2, local, weights.flatten().float(), k)
+            pairs = fused_experts(x, self.w13, self.w2, ids, weights, self.first)
         else:
+            local = local_experts(ids, self.first, self.num_local)
             pairs = self.grouped_experts(x, local, weights.flatten(), k)
         return pairs.view(num_tokens, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
 
@@ -210,6 +209,13 @@ class FusedMoE(nn.Module):
         h = grouped_linear(silu_and_mul(h), self.w2, ends)
         h = torch.where((local < self.num_local)[:, None], h.float() * weights[order, None], 0.0)
         return torch.empty_like(h, dtype=x.dtype).index_copy_(0, order, h.to(x.dtype))
+
+
+def local_experts(ids: torch.Tensor, first: int, num_local: int) -> torch.Tensor:
+    """Global expert ids [T, k] -> [T * k]: each pair's expert among this rank's
+    [first, first + num_local), num_local for another rank's (or id -1)."""
+    local = ids.flatten() - first
+    return torch.where((local >= 0) & (local < num_local), local, num_local)
 
 
 def use_fused_kernel(x: torch.Tensor, num_pairs: int) -> bool:
