@@ -43,13 +43,21 @@ def kv_share(num_kv_heads: int, tp: int, dcp: int, pcp: int) -> float:
 
 
 def profile_steps(core, steps: int) -> None:
-    """Rank 0's host and device time over `steps` decode steps, by op (torch profiler): where
-    an eager step's host time goes (per layer: divide the calls by the layers)."""
+    """Rank 0's host and device time over `steps` decode steps, by op (torch profiler): the
+    device's busy time against the wall time (host-bound or device-bound?), the kernels by
+    device time, and the ops by host time (per layer: divide the calls by the layers)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
         for _ in range(steps):
             core.step()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    events = prof.key_averages()
+    busy_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    print(f"profile: {wall_ms:.2f} ms a step, the device busy {busy_ms:.2f} ms of it", flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
 
 
 def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0):

@@ -4,8 +4,8 @@ Default: the offline workload's shapes at batch 256 (Qwen3-0.6B: 16 query / 8 KV
 Llama-3-8B: 32 / 8; head_dim 128, bf16, ~1152 cached tokens a request) for several page sizes.
 --long: long-context decode, bf16 and FP8 caches: Llama-3-8B at 128K batch 1, and the one-KV-head
 shape (32 query heads on one KV head; tp=2 holds 16 of them over the whole context, tp=2 x dcp=2
-all 32 over half) at 128K batch 1 and 64 x 32K. --fp8-sweep / --split-sweep: the FP8 kernel's
-knobs and the split count. Each call is replayed in a CUDA graph; GB/s counts the K and V bytes
+all 32 over half) at 128K batch 1 and 64 x 32K. --sweep bf16 fp8 / --split-sweep: split decode's
+knobs per cache dtype, and the split count. Each call is replayed in a CUDA graph; GB/s counts the K and V bytes
 a call must read once (the split partials it writes and merges are overhead, not counted).
 """
 import argparse
@@ -80,24 +80,28 @@ def long_table(page):
                   flush=True)
 
 
-def fp8_sweep(page):
-    """FP8 split decode: dot in fp16 or bf16, tile length, warps, stages (Llama-3-8B 128K and the
-    one-KV-head shard under load); the best four of each shape, and bf16's default for reference."""
-    saved = tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16
-    for name, hq, hkv, reqs, ctx in (LONG[0], LONG[4]):
-        bf_us, bf_gbs = bench(hq, hkv, page, reqs, ctx)
+def sweep(page, fp8: bool, shapes):
+    """Split decode's knobs: tile length, warps, stages (the FP8 dot in fp16: it beat bf16 at
+    every setting on H100); the best four of each shape, against the default."""
+    saved = tk.SPLIT_DECODE, tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16
+    dots = (True,) if fp8 else (saved[2],)
+    for name, hq, hkv, reqs, ctx in shapes:
+        base_us, base_gbs = bench(hq, hkv, page, reqs, ctx, fp8)
         rows = []
-        for f16, bn, warps, stages in itertools.product((True, False), (64, 128), (4, 8), (2, 3)):
-            tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = (bn, warps, stages), f16
+        for f16, bn, warps, stages in itertools.product(dots, (64, 128, 256), (4, 8), (2, 3, 4)):
+            if fp8:
+                tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = (bn, warps, stages), f16
+            else:
+                tk.SPLIT_DECODE = (bn, warps, stages)
             try:
-                rows.append((*bench(hq, hkv, page, reqs, ctx, True, iters=20), f16, bn, warps, stages))
+                rows.append((*bench(hq, hkv, page, reqs, ctx, fp8, iters=20), f16, bn, warps, stages))
             except Exception as e:  # out of shared memory, ...
-                print(f"| {name} | fp16 dot {f16}, BLOCK_N {bn}, {warps} warps, {stages} stages | {type(e).__name__} |")
-        print(f"\n{name}: bf16 default {bf_us:.1f} us ({bf_gbs:.0f} GB/s)\n"
+                print(f"| {name} | {bn}, {warps} warps, {stages} stages | {type(e).__name__} |")
+            tk.SPLIT_DECODE, tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = saved
+        print(f"\n{name}, {'fp8' if fp8 else 'bf16'}: default {base_us:.1f} us ({base_gbs:.0f} GB/s)\n"
               "| fp16 dot | BLOCK_N | warps | stages | us | KV GB/s |\n| --- | --- | --- | --- | --- | --- |")
         for us, gbs, f16, bn, warps, stages in sorted(rows)[:4]:
             print(f"| {f16} | {bn} | {warps} | {stages} | {us:.1f} | {gbs:.0f} |", flush=True)
-    tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = saved
 
 
 def split_sweep(page):
@@ -118,11 +122,13 @@ def main():
     ap.add_argument("--ctx", type=int, default=1152)
     ap.add_argument("--page", type=int, default=16, help="kernel block size of the long shapes")
     ap.add_argument("--long", action="store_true", help="only the long-context table")
-    ap.add_argument("--fp8-sweep", action="store_true")
+    ap.add_argument("--sweep", choices=["bf16", "fp8"], nargs="*", default=[],
+                    help="split decode's tile / warps / stages per long shape, per cache dtype")
+    ap.add_argument("--shapes", type=int, nargs="*", default=None, help="LONG rows to sweep (indices)")
     ap.add_argument("--split-sweep", action="store_true")
     args = ap.parse_args()
     print(f"\n### Decode attention ({torch.cuda.get_device_name()})")
-    if not (args.long or args.fp8_sweep or args.split_sweep):
+    if not (args.long or args.sweep or args.split_sweep):
         print(f"\n{args.reqs} requests x {args.ctx} tokens\n\n| heads (q/kv) | page | median (us) | KV read GB/s |"
               "\n| --- | --- | --- | --- |")
         for (hq, hkv), page in itertools.product(((16, 8), (32, 8)), (16, 32, 64, 128)):
@@ -130,8 +136,9 @@ def main():
             print(f"| {hq}/{hkv} | {page} | {us:.1f} | {gbs:.0f} |", flush=True)
     if args.long:
         long_table(args.page)
-    if args.fp8_sweep:
-        fp8_sweep(args.page)
+    for dtype in args.sweep:
+        shapes = LONG if args.shapes is None else [LONG[i] for i in args.shapes]
+        sweep(args.page, dtype == "fp8", shapes)
     if args.split_sweep:
         split_sweep(args.page)
 

@@ -106,3 +106,14 @@ def test_kernel_blocks_give_the_same_slots_as_manager_blocks(layout, k, rank_see
     expected = compute_slot_mapping(np.array([blocks]), req, positions, manager_B, W, rank, I)
     got = compute_slot_mapping(kernel_table, req, positions, kernel_B, W, rank, I)
     assert got.tolist() == expected.tolist()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 1 << 20), max_size=40), max_size=8))
+def test_block_id_list_holds_what_was_appended(chunks):
+    from longserve.worker.block_table import BlockIdList
+    first, rest = (chunks[0], chunks[1:]) if chunks else ([], [])
+    ids = BlockIdList(first)
+    for c in rest:
+        ids.extend(c)
+    assert ids.view().tolist() == [b for c in chunks for b in c] and len(ids) == ids.view().size

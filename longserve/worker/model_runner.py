@@ -20,6 +20,7 @@ from longserve.kv_transfer.utils import KVConnectorOutput
 from longserve.models.loader import build_model
 from longserve.sampling_params import SamplingParams
 from longserve.step_plan import ScheduledRequest, SchedulerOutput
+from longserve.worker.block_table import BlockIdList
 from longserve.worker.cp_utils import PCPManager, check_attention_cp_compatibility
 from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_unsupported
@@ -43,7 +44,7 @@ DP_MOE_GRAPHS = "LONGSERVE_DP_MOE_GRAPHS"
 
 @dataclass
 class RunnerRequest:
-    block_ids: list[int]
+    block_ids: BlockIdList
     sampling_params: SamplingParams | None
     logit_bias: tuple | None = None  # sampler.logit_bias_arrays, made once
 
@@ -226,7 +227,7 @@ class ModelRunner:
             self.zeroer.zero_block_ids(out.new_block_ids)
         for r in out.requests:
             if r.new:
-                self.requests[r.req_id] = RunnerRequest(list(r.block_ids), r.sampling_params,
+                self.requests[r.req_id] = RunnerRequest(BlockIdList(r.block_ids), r.sampling_params,
                                                         logit_bias_arrays(r.sampling_params))
             else:
                 self.requests[r.req_id].block_ids.extend(r.block_ids)
@@ -234,7 +235,7 @@ class ModelRunner:
             if self.dp_lockstep:  # the other DP ranks run a step this rank must join
                 run_dummy_step(self)
             return ModelRunnerOutput({}, {})
-        block_ids = [self.requests[r.req_id].block_ids for r in out.requests]
+        block_ids = [self.requests[r.req_id].block_ids.view() for r in out.requests]
         if profile:  # every token's slot in block 0: the table only needs to be wide enough
             block_ids = [[0] * (len(out.requests[0].token_ids) // self.block_size + 1)]
         inp = prepare_step(out.requests, block_ids, self.layout, self.ps, self.pcp, self.device,
