@@ -83,8 +83,8 @@ def long_table(page):
 def sweep(page, fp8: bool, shapes):
     """Split decode's knobs: tile length, warps, stages (the FP8 dot in fp16: it beat bf16 at
     every setting on H100); the best four of each shape, against the default."""
-    saved = tk.SPLIT_DECODE, tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16
-    dots = (True,) if fp8 else (saved[2],)
+    saved = tk.SPLIT_DECODE, tk.SPLIT_DECODE_WIDE, tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16
+    dots = (True,) if fp8 else (saved[3],)
     for name, hq, hkv, reqs, ctx in shapes:
         base_us, base_gbs = bench(hq, hkv, page, reqs, ctx, fp8)
         rows = []
@@ -92,12 +92,12 @@ def sweep(page, fp8: bool, shapes):
             if fp8:
                 tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = (bn, warps, stages), f16
             else:
-                tk.SPLIT_DECODE = (bn, warps, stages)
+                tk.SPLIT_DECODE = tk.SPLIT_DECODE_WIDE = (bn, warps, stages)
             try:
                 rows.append((*bench(hq, hkv, page, reqs, ctx, fp8, iters=20), f16, bn, warps, stages))
             except Exception as e:  # out of shared memory, ...
                 print(f"| {name} | {bn}, {warps} warps, {stages} stages | {type(e).__name__} |")
-            tk.SPLIT_DECODE, tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = saved
+            tk.SPLIT_DECODE, tk.SPLIT_DECODE_WIDE, tk.SPLIT_DECODE_FP8, tk.FP8_DOT_F16 = saved
         print(f"\n{name}, {'fp8' if fp8 else 'bf16'}: default {base_us:.1f} us ({base_gbs:.0f} GB/s)\n"
               "| fp16 dot | BLOCK_N | warps | stages | us | KV GB/s |\n| --- | --- | --- | --- | --- | --- |")
         for us, gbs, f16, bn, warps, stages in sorted(rows)[:4]:

@@ -343,6 +343,9 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
 # FP8 read 1.9 TB/s with the bf16 settings; benchmarks/bench_decode_attn.py --fp8-sweep tries
 # longer tiles (the same bytes a tile as bf16's) and the fp16 dot below.
 SPLIT_DECODE = (64, 4, 2)
+# 32+ query heads on a KV head (tp=2 x dcp=2 of a one-KV-head model): longer tiles, 2.17 -> 2.6
+# TB/s at 64 x 16K a shard (H100 sweep, benchmarks/bench_decode_attn.py --sweep bf16)
+SPLIT_DECODE_WIDE = (128, 4, 2)
 SPLIT_DECODE_FP8 = (128, 4, 2)  # 128.7 us at 128K, 1.43x the bf16 tile (H100 sweep)
 # FP8 cache with bf16 queries: dot in fp16. e4m3 -> fp16 is one cvt per two values on sm_90,
 # -> bf16 goes through fp16 and fp32 (three more per pair), on every K and V element read;
@@ -426,7 +429,8 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         num_kv_splits = _default_num_kv_splits(busy, block_table.shape[1] * B, q.device)
 
     if on_gpu and BLOCK_Q == 1 and num_kv_splits > 1:  # long-context decode
-        BLOCK_N, num_warps, num_stages = SPLIT_DECODE if kv_scale is None else SPLIT_DECODE_FP8
+        BLOCK_N, num_warps, num_stages = (SPLIT_DECODE_FP8 if kv_scale is not None else
+                                          SPLIT_DECODE_WIDE if BLOCK_M >= 32 else SPLIT_DECODE)
     o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
     _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, kv_scale,

@@ -35,11 +35,6 @@ logger = logging.getLogger(__name__)
 # LONGSERVE_PIECEWISE: "off" runs steps with prefill eagerly even with CUDA graphs; "eager"
 # runs them through the piecewise runner with its graphs off (CPU tests of that path)
 PIECEWISE_MODE = "LONGSERVE_PIECEWISE"
-# LONGSERVE_DP_MOE_GRAPHS=1: decode graphs also for expert models under DP / DBO (the DP ranks
-# agree on each step's graph, worker/dp_step.py). Off by default: on two H100s (2026-11-25) a
-# dp=2 + EP engine with them never finished its benchmark row (tp=2 experts in graphs did: 44 ->
-# 4.7 ms a step), and no GPU time was left to find out why; eager is the path measured before.
-DP_MOE_GRAPHS = "LONGSERVE_DP_MOE_GRAPHS"
 
 
 @dataclass
@@ -352,8 +347,6 @@ class ModelRunner:
     def capture_cudagraphs(self) -> None:
         """Capture the model's decode forward at bucketed batch sizes (largest first, one pool),
         then the piecewise graphs."""
-        if self.coordinated and os.environ.get(DP_MOE_GRAPHS) != "1":
-            return
         max_bs = self.config.scheduler.max_num_seqs
         sizes = sorted({b for b in [1, 2, 4, 8] + list(range(16, max_bs + 1, 16)) if b <= max_bs}
                        | {max_bs})
