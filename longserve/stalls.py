@@ -4,7 +4,8 @@
 gc.freeze() moves every object alive (modules, the model, the tokenizer: millions of them) to
 a generation that no later collection traverses, so a full collection while serving walks
 only what serving made. From then on a collection over 50 ms is logged with its generation,
-and in an API server `watch_loop_lag` logs an event loop that ran over 100 ms late.
+a Triton kernel compiled (or loaded from the disk cache) is logged with its specialization and
+time, and in an API server `watch_loop_lag` logs an event loop that ran over 100 ms late.
 """
 from __future__ import annotations
 
@@ -27,6 +28,26 @@ def freeze_after_warm_up() -> None:
     if _log_gc_pause not in gc.callbacks:
         gc.callbacks.append(_log_gc_pause)
         atexit.register(_thaw)
+        _watch_kernel_compiles()
+
+
+def _watch_kernel_compiles() -> None:
+    """Triton's JIT hooks: one before a kernel variant is compiled (or loaded from the disk
+    cache: not yet in this process), one after. Only where Triton is installed and has them."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    started: dict = {}
+
+    def before(key=None, **_):
+        started[str(key)] = time.perf_counter()  # None: Triton goes on and compiles
+
+    def after(key=None, repr=None, **_):
+        took = time.perf_counter() - started.pop(str(key), time.perf_counter())
+        logger.warning("process %d: a Triton kernel was compiled while serving (%.0f ms): %s",
+                       os.getpid(), 1e3 * took, (repr or "?")[:300])
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
 
 
 def _thaw() -> None:

@@ -185,7 +185,9 @@ def _attend_split(q, split, kv_len, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, 
     return acc, m_i, l_i
 
 
-@triton.jit
+# ints that change with a step's batch (request count, the block table's width, the partials'
+# split strides) stay unspecialized: one compile per tile config, none while serving
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "stride_os", "stride_ls"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, kv_lens_ptr,
     out_ptr, lse_ptr, kv_scale_ptr,
@@ -253,7 +255,7 @@ def _clean(lse):
     return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ps", "stride_qs"])  # they grow with the step's rows
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     stride_ps, stride_pt, stride_ph,  # part_out [S, T, H, D]
