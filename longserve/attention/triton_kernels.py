@@ -340,15 +340,15 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 
-# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages)
-# by cache dtype. bf16 on H100 at 128K: 4 warps / 2 stages, 2.79 TB/s of KV (2 / 3: 2.65).
-# FP8 read 1.9 TB/s with the bf16 settings; benchmarks/bench_decode_attn.py --fp8-sweep tries
-# longer tiles (the same bytes a tile as bf16's) and the fp16 dot below.
+# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages),
+# from H100 sweeps (benchmarks/bench_decode_attn.py --sweep bf16 fp8). bf16 at 128K: 4 warps /
+# 2 stages, 2.8 TB/s of KV (2 / 3: 2.65).
 SPLIT_DECODE = (64, 4, 2)
-# 32+ query heads on a KV head (tp=2 x dcp=2 of a one-KV-head model): longer tiles, 2.17 -> 2.6
-# TB/s at 64 x 16K a shard (H100 sweep, benchmarks/bench_decode_attn.py --sweep bf16)
+# 32+ query heads on a KV head (tp=2 x dcp=2 of a one-KV-head model): 2.17 -> 2.6 TB/s at
+# 64 x 16K a shard
 SPLIT_DECODE_WIDE = (128, 4, 2)
-SPLIT_DECODE_FP8 = (128, 4, 2)  # 128.7 us at 128K, 1.43x the bf16 tile (H100 sweep)
+# FP8: tiles of the same bytes as bf16's 64 tokens; 184 -> 130 us at 128K (2.07 TB/s of FP8 KV)
+SPLIT_DECODE_FP8 = (128, 4, 2)
 # FP8 cache with bf16 queries: dot in fp16. e4m3 -> fp16 is one cvt per two values on sm_90,
 # -> bf16 goes through fp16 and fp32 (three more per pair), on every K and V element read;
 # fp16 holds every e4m3 value and every bf16 query in [-65504, 65504] exactly (q is clamped).

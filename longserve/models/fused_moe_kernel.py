@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from longserve.attention.triton_kernels import _dot
-from longserve.models.moe import local_experts
 
 # (up to this many pairs, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): provisional, until
 # benchmarks/bench_moe_kernel.py --sweep has timed the others at Qwen3-30B-A3B's shapes
@@ -101,7 +100,7 @@ def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, first, num_local, nu
 
 
 def align_pairs_fused(ids: torch.Tensor, first: int, num_local: int, block_m: int):
-    """align_pairs(local_experts(ids, first, num_local), num_local, block_m), the same tensors,
+    """align_pairs(moe.local_experts(ids, first, num_local), num_local, block_m), the same tensors,
     in one launch: ids [...] global expert ids; this rank holds [first, first + num_local)."""
     ids = ids.reshape(-1).contiguous()
     num_pairs = ids.numel()
@@ -162,7 +161,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:  # one launch instead of ~35
         slot_pair, block_expert = align_pairs_fused(ids, first, num_local, bm)
     else:  # torch ops use the whole GPU
-        slot_pair, block_expert = align_pairs(local_experts(ids, first, num_local), num_local, bm)
+        local = ids.flatten() - first  # another rank's expert (or id -1): num_local
+        local = local.masked_fill((local < 0) | (local >= num_local), num_local)
+        slot_pair, block_expert = align_pairs(local, num_local, bm)
     weights = weights.flatten().float()  # no copy for select_experts' [T, k] float32
     h = x.new_empty(slot_pair.numel(), width)
     out = x.new_zeros(num_pairs, hidden)
