@@ -199,7 +199,8 @@ def _paged_attn_kernel(
     stride_os, stride_ot, stride_oh,  # out [S, T, Hq, D] (stride_os = 0 when not split)
     stride_ls, stride_lt, stride_lh,  # lse [S, T, Hq]
     stride_sc,  # kv_scale [2, Hkv] (FP8 cache)
-    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PAD_PER_REQ: tl.constexpr, SPLIT_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr,
