@@ -1,5 +1,4 @@
 """What stalls a warm process names itself in the log (longserve/stalls.py)."""
-import gc
 import logging
 
 import pytest
@@ -27,4 +26,3 @@ def test_a_long_collection_is_logged(caplog, monkeypatch):
         stalls._log_gc_pause("start", {})
         stalls._log_gc_pause("stop", {"generation": 2})
     assert "generation-2 garbage collection" in caplog.text
-    gc.collect()

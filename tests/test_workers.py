@@ -57,6 +57,7 @@ def test_torchrun_launch_matches_one_rank():
     assert text(two.stdout) == text(one.stdout) and len(text(one.stdout)) == 1
 
 
+@pytest.mark.timeout(30)
 def test_watchdog_of_a_replica_without_workers_returns_at_once():
     """A DP rank of an expert model is a replica of one rank (world > 1, no children): the
     watchdog has nothing to watch and must not spin (it held the GIL and starved the rank's
@@ -67,7 +68,8 @@ def test_watchdog_of_a_replica_without_workers_returns_at_once():
     from longserve.engine.executor import watch
     ex = SimpleNamespace(failure=None, _closing=False, procs=[], worker_ranks=range(1, 1),
                          _waiting=None, timeout=60.0)
-    t = threading.Thread(target=watch, args=(lambda: ex,))  # watch takes a weakref-like callable
+    # watch takes a weakref-like callable; a daemon, so a spinning one cannot hold pytest open
+    t = threading.Thread(target=watch, args=(lambda: ex,), daemon=True)
     t.start()
     t.join(timeout=2)
     assert not t.is_alive()
