@@ -6,6 +6,7 @@ step period). Only decode steps with the whole batch count. Also: the host time 
 bitmask per step (it overlaps the forward when scheduling is asynchronous).
 
     python benchmarks/bench_structured.py                       # GPU, qwen3-0.6b-shape, 64 + 64
+    python benchmarks/bench_structured.py --model smollm2    # the real model and tokenizer
     python benchmarks/bench_structured.py --device cpu --model qwen3-tiny --num-requests 16
 """
 import argparse
@@ -77,8 +78,9 @@ def decode_steps(llm, n, inp, steps, structured, seed):
 
 def run(args, asynchronous):
     gpu = args.device == "cuda"
-    llm = LLM(f"builtin:{args.model}", load_format="dummy", device=args.device,
-              dtype="bfloat16" if gpu else "float32", max_model_len=args.input_len + args.steps + 64,
+    real = args.model == "smollm2"  # the real model: its weights and its 49,152-token tokenizer
+    llm = LLM(args.model if real else f"builtin:{args.model}", load_format="auto" if real else "dummy",
+              device=args.device, dtype="bfloat16" if gpu else "float32", max_model_len=args.input_len + args.steps + 64,
               max_num_seqs=args.num_requests, async_scheduling=asynchronous)
     decode_steps(llm, args.num_requests, args.input_len, 4, True, 1)  # warm-up (both kinds)
     decode_steps(llm, args.num_requests, args.input_len, 4, False, 2)

@@ -76,14 +76,17 @@ def test_params_validate_and_round_trip_to_the_core():
 @settings(max_examples=50, deadline=None)
 @given(st.integers(1, 100), st.data())
 def test_bitmask_keeps_exactly_the_allowed_tokens_of_its_rows(vocab, data):
-    """Bit j of word w allows token 32 w + j; masked rows keep exactly those, others are untouched."""
+    """Bit j of word w allows token 32 w + j; masked rows keep exactly those (ids past the
+    mask's width, a vocabulary padded beyond the tokenizer, are masked), others are untouched."""
     n = data.draw(st.integers(1, 5))
     rows = sorted(data.draw(st.sets(st.integers(0, n - 1))))
-    words = -(-vocab // 32)
-    bits = data.draw(st.lists(st.booleans(), min_size=len(rows) * vocab, max_size=len(rows) * vocab))
-    allowed = torch.tensor(bits, dtype=torch.bool).reshape(len(rows), vocab)
+    covered = data.draw(st.integers(1, vocab))  # the ids the grammar's tokenizer has
+    words = -(-covered // 32)
+    bits = data.draw(st.lists(st.booleans(), min_size=len(rows) * covered, max_size=len(rows) * covered))
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    allowed[:, :covered] = torch.tensor(bits, dtype=torch.bool).reshape(len(rows), covered)
     padded = torch.zeros(len(rows), words * 32, dtype=torch.int64)
-    padded[:, :vocab] = allowed.long()
+    padded[:, :covered] = allowed[:, :covered].long()
     bitmask = (padded.reshape(len(rows), words, 32) << torch.arange(32)).sum(-1)
     bitmask = torch.where(bitmask >= 2 ** 31, bitmask - 2 ** 32, bitmask).to(torch.int32)
     logits = torch.randn(n, vocab)
@@ -93,6 +96,26 @@ def test_bitmask_keeps_exactly_the_allowed_tokens_of_its_rows(vocab, data):
         keep = allowed[rows.index(i)] if i in rows else torch.ones(vocab, dtype=torch.bool)
         assert torch.equal(masked[i][keep], logits[i][keep])
         assert bool((masked[i][~keep] == float("-inf")).all())
+
+
+def test_the_mask_covers_the_tokenizer_and_leaves_the_padded_ids_out(llm):
+    """xgrammar sees the 485 ids the tokenizer has (not 512: each accept scans the ids past
+    them); no bit past them is set, whatever the grammar allows."""
+    from types import SimpleNamespace
+    from longserve.engine.structured_output import StructuredOutputManager
+    manager = StructuredOutputManager(llm.config.model)
+    grammar = manager.compiler().compile("json", json.dumps(SCHEMA))
+    assert manager.compiler().mask_vocab == 485 < llm.config.model.vocab_size
+    reqs = {}
+    for i, text in enumerate(['{"color": "red", "n": 3, "tag": "', '{"color": "red", "n": 3}', ""]):
+        reqs[str(i)] = SimpleNamespace(grammar=manager.compiler().xgr.GrammarMatcher(grammar))
+        assert reqs[str(i)].grammar.accept_string(text) or not text
+    out = SimpleNamespace(requests=[SimpleNamespace(req_id=k, sample=True) for k in reqs])
+    mask, rows = manager.bitmask(out, reqs)
+    bits = ((mask[:, :, None].long() >> torch.arange(32)) & 1).flatten(1)
+    assert rows == [0, 1, 2] and mask.shape[1] == 16 and bits[:, 485:].sum() == 0  # 485 ids: 16 words
+    assert bits[0, :485].sum() > 100 and bits[1, :485].tolist() == [int(t == 2) for t in range(485)]
+    manager.shutdown()
 
 
 @pytest.mark.timeout(120)

@@ -62,34 +62,36 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
         tie_word_embeddings=False),
+    # real shapes; their bos / eos are the built-in tokenizer's <s> and </s>, ids the
+    # tokenizer has, as a real checkpoint's are (structured outputs mask past its 485 ids)
     "qwen3-0.6b-shape": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=151643,
-        eos_token_id=151645, torch_dtype="bfloat16"),
+        max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2, torch_dtype="bfloat16"),
     "llama3-8b-shape": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_id=128001, torch_dtype="bfloat16"),
+        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, torch_dtype="bfloat16"),
     # the Llama-3-8B shape with one KV head: tp=2 replicates it on both ranks (each holds
     # the whole KV), tp=2 x dcp=2 shards its tokens (each holds half): the layout guide's case
     "llama3-8b-1kv-shape": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=1, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_id=128001, torch_dtype="bfloat16"),
+        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, torch_dtype="bfloat16"),
     "qwen3-30b-a3b-shape": dict(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[], rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643,
-        eos_token_id=151645, torch_dtype="bfloat16"),
+        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, torch_dtype="bfloat16"),
 }
 
 CORPUS = """LongServe serves long prompts on many GPUs. The quick brown fox jumps over the lazy dog.
@@ -134,6 +136,9 @@ def resolve_model(model: str, seed: int = 0) -> str:
     path = os.path.join(cache_dir(), f"{name}-seed{seed}")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         write_builtin(name, path, seed)
+    elif name.endswith("-shape") and model_config(path).eos_token_ids != [BUILTIN_CONFIGS[name]["eos_token_id"]]:
+        with open(os.path.join(path, "config.json"), "w") as f:  # a cache from before the ids moved
+            json.dump(BUILTIN_CONFIGS[name], f, indent=2)
     return path
 
 

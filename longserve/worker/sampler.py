@@ -126,11 +126,13 @@ def apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Structured outputs: logits[rows[i]] keeps only the tokens whose bit is set in
-    bitmask[i] (int32 words on the host, bit j of word w = token 32 w + j); in place."""
+    bitmask[i] (int32 words on the host, bit j of word w = token 32 w + j); in place. Ids past
+    the mask's bits (a vocabulary padded beyond the tokenizer) are masked."""
     if not rows:
         return
     dev, vocab = logits.device, logits.shape[-1]
     words = to_device(bitmask, dev)
     allowed = ((words[:, :, None] >> torch.arange(32, device=dev, dtype=words.dtype)) & 1).flatten(1)
+    allowed = torch.nn.functional.pad(allowed[:, :vocab], (0, max(0, vocab - allowed.shape[1])))
     index = to_device(np.array(rows, np.int64), dev)
-    logits[index] = logits[index].masked_fill(allowed[:, :vocab] == 0, float("-inf"))
+    logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
