@@ -48,6 +48,12 @@ ROWS = {  # name -> how it runs (LongServe rows: mode prefill = prompt_logprobs 
                                          mode="decode"),
     "longserve-bf16-pcp2": dict(engine="longserve", dtype="bfloat16", eager=True, mode="prefill",
                                 parallel=dict(prefill_context_parallel_size=2)),
+    # two GPUs: tp=2 decode graphs (in the core's process), and an expert model's dp=2 + EP
+    # (engine cores in processes of their own: scored by prompt_logprobs)
+    "longserve-bf16-tp2-graphs-decode": dict(engine="longserve", dtype="bfloat16", eager=False,
+                                             mode="decode", parallel=dict(tensor_parallel_size=2)),
+    "longserve-bf16-dp2-ep": dict(engine="longserve", dtype="bfloat16", eager=False, mode="prefill",
+                                  parallel=dict(data_parallel_size=2, enable_expert_parallel=True)),
     "longserve-fp32": dict(engine="longserve", dtype="float32", eager=True, mode="prefill"),
     "longserve-fp32-graphs-decode": dict(engine="longserve", dtype="float32", eager=False,
                                          mode="decode"),
@@ -223,7 +229,8 @@ def teacher_forced_decode(engine, seqs, prompt_lens, k):
                 if r.output_token_ids:
                     j = len(r.output_token_ids) - 1
                     r.output_token_ids[j] = s[n + j]
-    return [list(r.prompt_logprobs) + list(r.logprobs) for r in reqs]  # positions 1...
+    # positions 1...: prompt entries are (rank, top-k dict)
+    return [[e for _, e in r.prompt_logprobs] + list(r.logprobs) for r in reqs]
 
 
 def compare(ref: torch.Tensor, targets: list[int], entries: list[dict[int, float]]) -> dict:
