@@ -59,8 +59,11 @@ def decode_steps(llm, n, inp, steps, structured, seed):
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, structured_outputs=so)
     vocab = llm.config.model.vocab_size
     with llm.engine.client.paused() as core:
+        # _sample_masked: waiting for the mask, then the sampling launch; execute_async: the
+        # next step's launch; _apply: waiting for the step's ids, then update_from_output
         times, parts = {}, [(core.structured, "bitmask"), (core.scheduler, "update_from_output"),
-                            (core.scheduler, "schedule")]
+                            (core.scheduler, "schedule"), (core, "_sample_masked"),
+                            (core.executor, "execute_async"), (core, "_apply")]
         reals = [timing(obj, name, times) for obj, name in parts]
         for p in prompts(n, inp, vocab, seed):
             core.add_request(llm.engine.make_request(p, params))

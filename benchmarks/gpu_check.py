@@ -97,9 +97,11 @@ def parallel_checks(name, layouts, rows, dev, eager_check, skip_bf16=False):
         tag = ",".join(f"{SHORT.get(k, k)}={v}" for k, v in par.items())
         par32, _, w1 = run(model, ps, 32, dtype="float32", **kw, **par)
         rows.append((name, f"{tag} vs 1 GPU, fp32", agreement(par32, one32), w1))
+        print(rows[-1], flush=True)
         if eager_check:
             eager, _, w2 = run(model, ps, 32, dtype="float32", enforce_eager=True, **kw, **par)
             rows.append((name, f"{tag}: CUDA graphs vs eager (fp32)", agreement(par32, eager), w2))
+            print(rows[-1], flush=True)
         if skip_bf16:
             continue
         par16, _, w3 = run(model, long_ps, 256, logprobs=5, dtype="bfloat16", **kw, **par)
@@ -108,7 +110,7 @@ def parallel_checks(name, layouts, rows, dev, eager_check, skip_bf16=False):
                      agreement([t for t, _ in par16], [t for t, _ in one16]), w3))
         rows.append((name, f"{tag} vs 1 GPU, bf16: requests logprob-close", passed, w3))
         rows.append((name, f"{tag} vs 1 GPU, bf16: tokens before 1st divergence", before, w3))
-        print(rows[-5:], flush=True)
+        print(rows[-3:], flush=True)
 
 
 def old_merge(out, lse, g, scatter_heads):
