@@ -22,6 +22,7 @@ from longserve.engine.executor import free_port
 from longserve.engine.messages import ADD, EngineCoreRequest, decode_command, encode
 from longserve.entrypoints.openai.api_server import build_app
 from longserve.sampling_params import StructuredOutputsParams as SO
+from longserve.tokenizer import load_tokenizer
 from longserve.worker.sampler import apply_token_bitmask
 
 MODEL = "builtin:llama-tiny"  # 512 logits, a 485-token tokenizer: the rest must stay masked
@@ -100,21 +101,28 @@ def test_bitmask_keeps_exactly_the_allowed_tokens_of_its_rows(vocab, data):
 
 def test_the_mask_covers_the_tokenizer_and_leaves_the_padded_ids_out(llm):
     """xgrammar sees the 485 ids the tokenizer has (not 512: each accept scans the ids past
-    them); no bit past them is set, whatever the grammar allows."""
+    them); no bit past them is set. The mask thread first accepts each row's pending tokens;
+    a token the grammar refuses is kept as `rejected` and the matcher stays where it was."""
     from types import SimpleNamespace
-    from longserve.engine.structured_output import StructuredOutputManager
+    from longserve.engine.structured_output import GrammarState, StructuredOutputManager
     manager = StructuredOutputManager(llm.config.model)
-    grammar = manager.compiler().compile("json", json.dumps(SCHEMA))
-    assert manager.compiler().mask_vocab == 485 < llm.config.model.vocab_size
-    reqs = {}
-    for i, text in enumerate(['{"color": "red", "n": 3, "tag": "', '{"color": "red", "n": 3}', ""]):
-        reqs[str(i)] = SimpleNamespace(grammar=manager.compiler().xgr.GrammarMatcher(grammar))
-        assert reqs[str(i)].grammar.accept_string(text) or not text
+    compiler = manager.compiler()
+    grammar = compiler.compile("json", json.dumps(SCHEMA))
+    assert compiler.mask_vocab == 485 < llm.config.model.vocab_size
+    tok = load_tokenizer(llm.config.model).tokenizer
+    texts = ['{"color": "red", "n": 3, "tag": "', '{"color": "red", "n": 3}', '', 'x{']
+    reqs = {str(i): SimpleNamespace(grammar=GrammarState(compiler.xgr.GrammarMatcher(grammar)))
+            for i in range(len(texts))}
+    for i, text in enumerate(texts):
+        reqs[str(i)].grammar.pending = tok.encode(text, add_special_tokens=False).ids
     out = SimpleNamespace(requests=[SimpleNamespace(req_id=k, sample=True) for k in reqs])
-    mask, rows = manager.bitmask(out, reqs)
+    mask, rows = manager.start_bitmask(out, reqs).result()
+    assert [r.grammar.pending for r in reqs.values()] == [[]] * 4  # taken by the mask thread
     bits = ((mask[:, :, None].long() >> torch.arange(32)) & 1).flatten(1)
-    assert rows == [0, 1, 2] and mask.shape[1] == 16 and bits[:, 485:].sum() == 0  # 485 ids: 16 words
+    assert rows == [0, 1, 2, 3] and mask.shape[1] == 16 and bits[:, 485:].sum() == 0  # 485 ids
     assert bits[0, :485].sum() > 100 and bits[1, :485].tolist() == [int(t == 2) for t in range(485)]
+    assert [r.grammar.rejected is not None for r in reqs.values()] == [False, False, False, True]
+    assert torch.equal(bits[3], bits[2])  # the refused 'x' left it at the start, '{' unseen
     manager.shutdown()
 
 

@@ -294,6 +294,24 @@ def check_attention_packed(device="cpu", dtype=torch.bfloat16, G=8, D=16, B=4, H
         assert torch.equal(packed[..., -1], lse)
 
 
+def check_bitmask(device="cpu", dtype=torch.float32, N=7, V=3000, covered=2500):
+    """The grammar bitmask kernel refuses what the torch version refuses: the ids whose bit is
+    clear, and every id past the mask's words; rows outside `rows` are untouched."""
+    from longserve.worker.bitmask_kernel import apply_bitmask_triton
+    from longserve.worker.sampler import apply_token_bitmask
+    g = torch.Generator().manual_seed(V)
+    rows = [0, 3, 5]
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), -(-covered // 32)), generator=g,
+                          dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(N, V, generator=g).to(dtype)
+    want = logits.clone()
+    apply_token_bitmask(want, words, rows)  # the torch version (CPU)
+    got = logits.to(device)
+    apply_bitmask_triton(got, words, rows)
+    assert torch.equal(got.cpu(), want)
+    assert bool(torch.isinf(want[rows, 32 * words.shape[1]:]).all()) and torch.equal(want[1], logits[1])
+
+
 INTERPRETER_CHECKS = {
     "store_kv_fp32": lambda: check_store_kv(),
     "store_kv_bf16": lambda: check_store_kv(dtype=torch.bfloat16),
@@ -317,6 +335,8 @@ INTERPRETER_CHECKS = {
     "merge_partials_bf16_s2": lambda: check_merge_partials(dtype=torch.bfloat16, S=2),
     "merge_partials_d72_s70": lambda: check_merge_partials(S=70, D=72),  # D slices, S chunks
     "attention_packed": lambda: check_attention_packed(),
+    "bitmask": lambda: check_bitmask(),
+    "bitmask_bf16": lambda: check_bitmask(dtype=torch.bfloat16, V=1000, covered=1000),
 }
 
 
@@ -469,6 +489,12 @@ def test_gpu_cuda_graph():
         fin = ref_lse != -math.inf
         torch.testing.assert_close(lse.double().cpu()[fin], ref_lse[fin], atol=2e-2, rtol=2e-2)
         assert (lse.cpu()[~fin] == -math.inf).all()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_bitmask(dtype):
+    check_bitmask("cuda", dtype, N=64, V=151936, covered=485)
 
 
 if __name__ == "__main__":  # the interpreter child of _interpreter_results

@@ -53,7 +53,7 @@ class Request:
     # choices 1..n-1 of an n > 1 request (choice 0): parked until its prompt is planned to
     # its end, then forked onto its prompt blocks (Scheduler._fork)
     children: list[Request] = field(default_factory=list)
-    grammar: object | None = None  # structured outputs: xgrammar's GrammarMatcher
+    grammar: object | None = None  # structured outputs: its GrammarState (structured_output.py)
 
     @property
     def all_token_ids(self) -> list[int]:

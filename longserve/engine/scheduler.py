@@ -329,11 +329,13 @@ class Scheduler:
             return True
         token = req.output_token_ids[-1]
         n_out = len(req.output_token_ids)
-        if req.grammar is not None:  # advanced once per token, when the host learns it
-            if not req.grammar.accept_token(token):
-                req.finish_reason, req.error = "error", f"the grammar rejected token {token}"
+        if req.grammar is not None:  # the mask thread accepts the token before the next mask
+            g = req.grammar
+            g.pending.append(token)
+            if g.rejected is not None:  # the previous token (the mask should have forbidden it)
+                req.finish_reason, req.error = "error", f"the grammar rejected token {g.rejected}"
                 return True
-            if req.grammar.is_terminated():  # its grammar ended (at a stop token)
+            if token in g.stop_ids:  # the mask allows a stop token only where the grammar ends
                 req.finish_reason, req.stop_reason = "stop", None
                 return True
         if n_out >= params.min_tokens:

@@ -1,20 +1,23 @@
 """Structured outputs with xgrammar: compiled grammars (an LRU cache by spec), a grammar
-matcher per request, and the token bitmask of a step's structured rows.
+state per request, and the token bitmask of a step's structured rows.
 
 The door (LLMEngine.make_request) compiles a request's grammar so that one xgrammar cannot
 compile is refused before it is queued. The engine core compiles it again on a thread of its
 own (a large schema can take long) and the request joins the scheduler only when its matcher
-is ready. The matcher accepts every sampled token when the host learns it (scheduler
-`_check_stop`), so a recompute after preemption feeds it nothing twice; it dies with its
-request (finish, abort). A step with structured requests samples after its forward: the core
-fills their bitmask while the device runs the forward, on a thread (one xgrammar call for all
-rows, which releases the GIL) while the step loop plans the next step (engine/core.py).
+is ready. A step with structured requests samples after its forward: while the device runs
+it, the mask thread advances each row's matcher by the tokens the host learnt since (one
+accept per token, in order, so a recompute after preemption feeds it nothing twice) and fills
+their bitmask (one xgrammar call for all rows, which releases the GIL), while the step loop
+plans the next step (engine/core.py). The scheduler ends a request at a stop token of its
+grammar without the matcher (the mask allows one only where the grammar may end); a token
+the matcher rejects, which the mask forbids, ends its request one step later.
 """
 from __future__ import annotations
 
 import functools
 import json
 import re
+import sys
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
@@ -64,6 +67,16 @@ class GrammarCompiler:
         self.compile(*so.key)
 
 
+class GrammarState:
+    """A request's matcher and the tokens sampled for it that it has not accepted yet. The
+    step loop appends (`pending`, at apply); the mask thread accepts (`advance`)."""
+
+    def __init__(self, matcher):
+        self.matcher, self.stop_ids = matcher, frozenset(matcher.stop_token_ids)
+        self.pending: list[int] = []
+        self.rejected: int | None = None  # a token the matcher refused (the mask forbids it)
+
+
 class StructuredOutputManager:
     """The engine core's side: compiles off the step loop, keeps requests out of the
     scheduler until their matcher is ready, builds the bitmask of a step."""
@@ -78,6 +91,10 @@ class StructuredOutputManager:
 
     def compiler(self) -> GrammarCompiler:  # on the pool's thread: the tokenizer loads there
         if self._compiler is None:
+            # the mask thread's few Python lines need the GIL while the step loop plans in
+            # Python: at the default 5-ms switch interval it waited for the loop to block on
+            # the mask (no overlap); 0.2 ms lets it in while the loop runs
+            sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
             from longserve.tokenizer import load_tokenizer
             m = self.model
             self._compiler = GrammarCompiler(load_tokenizer(m).tokenizer, m.vocab_size, m.eos_token_ids)
@@ -105,34 +122,51 @@ class StructuredOutputManager:
                 error = future.exception()
                 for r in [req] + req.children:  # n > 1: a matcher per choice
                     if error is None:
-                        r.grammar = self._compiler.xgr.GrammarMatcher(future.result())
+                        r.grammar = GrammarState(self._compiler.xgr.GrammarMatcher(future.result()))
                     else:
                         r.finish_reason, r.error = "error", str(error)
                 out.append(req)
         return out
 
     def start_bitmask(self, out: SchedulerOutput, requests: dict[str, Request]) -> Future:
-        """`bitmask` on the mask thread. Until its result is taken nothing may advance the
-        matchers (the core applies no step in between)."""
-        return self._mask_pool.submit(self.bitmask, out, requests)
-
-    def bitmask(self, out: SchedulerOutput, requests: dict[str, Request]) -> tuple[torch.Tensor, list[int]]:
-        """int32 [R, ceil(V' / 32)] for the plan's sampling rows whose request has a live
-        matcher, and those rows (indices among the plan's sampling requests); V' <= the
-        model's vocabulary (the ids the tokenizer has, `GrammarCompiler.mask_vocab`)."""
+        """`bitmask` on the mask thread, for the plan's sampling rows with a grammar (their
+        pending tokens taken here). Until its result is taken nothing may sample for them."""
         sampling = [requests.get(r.req_id) for r in out.requests if r.sample]
-        rows = [i for i, q in enumerate(sampling) if q is not None and q.grammar is not None
-                and not q.grammar.is_terminated()]
+        rows = [i for i, q in enumerate(sampling) if q is not None and q.grammar is not None]
+        work = []
+        for i in rows:
+            g = sampling[i].grammar
+            work.append((g, g.pending))
+            g.pending = []
+        return self._mask_pool.submit(self.bitmask, rows, work)
+
+    def bitmask(self, rows: list[int], work: list[tuple[GrammarState, list[int]]]
+                ) -> tuple[torch.Tensor, list[int]]:
+        """Accept each row's tokens, then int32 [R, ceil(V' / 32)] for the rows whose matcher
+        is live, and those rows (indices among the plan's sampling requests); V' <= the
+        model's vocabulary (the ids the tokenizer has, `GrammarCompiler.mask_vocab`)."""
+        self._accept(work)
+        live = [(i, g.matcher) for i, (g, _) in zip(rows, work) if not g.matcher.is_terminated()]
         xgr = self._compiler.xgr
-        mask = xgr.allocate_token_bitmask(len(rows), self._compiler.mask_vocab)
+        mask = xgr.allocate_token_bitmask(len(live), self._compiler.mask_vocab)
         # one call for all rows, on one thread (8 threads took 4.5 ms a step for 64 JSON rows
         # on an H100 host against 1.7 ms for one); it releases the GIL, so the loop goes on
         self._batch = self._batch or xgr.BatchGrammarMatcher(1)
-        self._batch.batch_fill_next_token_bitmask([sampling[i].grammar for i in rows], mask)
+        self._batch.batch_fill_next_token_bitmask([m for _, m in live], mask)
         tail = self._compiler.mask_vocab % 32  # xgrammar leaves the bits past its ids set
         if tail:
             mask[:, -1] &= (1 << tail) - 1
-        return mask, rows
+        return mask, [i for i, _ in live]
+
+    def _accept(self, work: list[tuple[GrammarState, list[int]]]) -> None:
+        """Each row's tokens in order: one xgrammar call per position (half the time of a
+        Python loop of accept_token); a matcher that refused one takes no more."""
+        accept = self._compiler.xgr.BatchGrammarMatcher.batch_accept_token
+        for k in range(max((len(tokens) for _, tokens in work), default=0)):
+            batch = [(g, tokens[k]) for g, tokens in work if len(tokens) > k and g.rejected is None]
+            for (g, t), ok in zip(batch, accept([g.matcher for g, _ in batch], [t for _, t in batch])):
+                if not ok:
+                    g.rejected = t
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

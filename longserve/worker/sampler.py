@@ -130,6 +130,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     the mask's bits (a vocabulary padded beyond the tokenizer) are masked."""
     if not rows:
         return
+    if logits.is_cuda:
+        from longserve.worker.bitmask_kernel import apply_bitmask_triton
+        return apply_bitmask_triton(logits, bitmask, rows)
     dev, vocab = logits.device, logits.shape[-1]
     words = to_device(bitmask, dev)
     allowed = ((words[:, :, None] >> torch.arange(32, device=dev, dtype=words.dtype)) & 1).flatten(1)
