@@ -312,6 +312,16 @@ def check_bitmask(device="cpu", dtype=torch.float32, N=7, V=3000, covered=2500):
     assert bool(torch.isinf(want[rows, 32 * words.shape[1]:]).all()) and torch.equal(want[1], logits[1])
 
 
+def check_compile_variants():
+    """The warm-up of the paged kernel's tile variants runs each (query buckets, decode with
+    one split and with two) on a real cache layout and leaves the cache as it was."""
+    from longserve.attention.triton_kernels import compile_attention_variants
+    kv = torch.randn(2, 4, 16, 2, 32)
+    before = kv.clone()
+    assert compile_attention_variants(8, kv[0], kv[1], None, torch.float32, 64, 8) >= 3
+    assert torch.equal(kv, before)
+
+
 INTERPRETER_CHECKS = {
     "store_kv_fp32": lambda: check_store_kv(),
     "store_kv_bf16": lambda: check_store_kv(dtype=torch.bfloat16),
@@ -336,6 +346,7 @@ INTERPRETER_CHECKS = {
     "merge_partials_d72_s70": lambda: check_merge_partials(S=70, D=72),  # D slices, S chunks
     "attention_packed": lambda: check_attention_packed(),
     "bitmask": lambda: check_bitmask(),
+    "compile_variants": lambda: check_compile_variants(),
     "bitmask_bf16": lambda: check_bitmask(dtype=torch.bfloat16, V=1000, covered=1000),
 }
 

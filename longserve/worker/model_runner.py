@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from longserve.attention.backends import TorchAttentionBackend, TritonAttentionBackend
+from longserve.attention.backends import Attention, TorchAttentionBackend, TritonAttentionBackend
 from longserve.attention.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
                                                KVCacheGroupSpec)
 from longserve.attention.metadata import AttentionMetadata, PagedPart
@@ -375,6 +376,23 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         if os.environ.get(PIECEWISE_MODE, "graphs") == "graphs":
             self._capture_piecewise(pool)
+        self._compile_attention_variants()
+
+    def _compile_attention_variants(self) -> None:
+        """The paged kernel's tile variants that eager and mixed steps may pick (not only the
+        shapes warm-up steps reach), compiled before serving, on this layer's own cache."""
+        layer = next((m for m in self.model.modules() if isinstance(m, Attention)), None)
+        if (self.backend.name != "TRITON" or layer is None or layer.kv_cache is None
+                or self.ps.cp.world_size > 1):  # CP writes packed partials: other variants
+            return
+        from longserve.attention.triton_kernels import compile_attention_variants
+        t = time.perf_counter()
+        s = self.config.scheduler
+        n = compile_attention_variants(layer.num_heads, layer.kv_cache[0], layer.kv_cache[1],
+                                       layer.kv_scale, self.config.dtype,
+                                       s.max_num_batched_tokens, s.max_num_seqs)
+        torch.cuda.synchronize(self.device)
+        logger.info("ran %d attention tile variants in %.1f s", n, time.perf_counter() - t)
 
     def _build_piecewise(self, use_graphs: bool) -> PiecewiseGraphs | None:
         reason = piecewise_unsupported(self.config)
