@@ -462,15 +462,15 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
     (one token a request); returns the number of variants run."""
     _, B, Hkv, D = k_cache.shape
     dev, seen = k_cache.device, set()
+    ints = dict(dtype=torch.int32, device=dev)
     for mql in [1 << i for i in range(8)]:
-        for T in sorted({mql, min(max_tokens, mql * max_seqs) // mql * mql}):
-            R = T // mql
+        for R in sorted({1, min(max_tokens // mql, max_seqs)} - {0}):  # requests of mql rows
+            T = R * mql
             tiles = _attn_tiles(num_heads // Hkv, D, T, Hkv, mql, dev)
             for splits in ([1, 2] if mql == 1 else [None]):
-                if R == 0 or (tiles, splits) in seen:
+                if (tiles, splits) in seen:
                     continue
                 seen.add((tiles, splits))
-                ints = dict(dtype=torch.int32, device=dev)
                 paged_attention_lse(torch.zeros(T, num_heads, D, dtype=dtype, device=dev), k_cache,
                                     v_cache, torch.zeros(R, 1, **ints), torch.arange(0, T + 1, mql, **ints),
                                     torch.ones(R, **ints), 1.0, mql, splits, kv_scale)

@@ -69,7 +69,7 @@ class GrammarCompiler:
 
 class GrammarState:
     """A request's matcher and the tokens sampled for it that it has not accepted yet. The
-    step loop appends (`pending`, at apply); the mask thread accepts (`advance`)."""
+    step loop appends (`pending`, at apply); the mask thread accepts them (`_accept`)."""
 
     def __init__(self, matcher):
         self.matcher, self.stop_ids = matcher, frozenset(matcher.stop_token_ids)

@@ -136,9 +136,12 @@ def resolve_model(model: str, seed: int = 0) -> str:
     path = os.path.join(cache_dir(), f"{name}-seed{seed}")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         write_builtin(name, path, seed)
-    elif name.endswith("-shape") and model_config(path).eos_token_ids != [BUILTIN_CONFIGS[name]["eos_token_id"]]:
-        with open(os.path.join(path, "config.json"), "w") as f:  # a cache from before the ids moved
-            json.dump(BUILTIN_CONFIGS[name], f, indent=2)
+    elif name.endswith("-shape"):  # a config only: a cache written by an older entry is refreshed
+        with open(os.path.join(path, "config.json")) as f:
+            stale = json.load(f) != BUILTIN_CONFIGS[name]
+        if stale:
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(BUILTIN_CONFIGS[name], f, indent=2)
     return path
 
 
