@@ -4,6 +4,7 @@ teacher-forced decode scores what one prefill scores."""
 import importlib.util
 import os
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,6 +44,7 @@ def test_top1_counts_a_tie_as_agreement():
     assert bench.compare(ref, [2, 2], entries)["top1"].tolist() == [1.0, 0.0]
 
 
+@pytest.mark.timeout(120)  # starts an engine (its core process)
 def test_teacher_forced_decode_scores_what_one_prefill_scores():
     """Forcing a continuation through decode steps (float32, CPU) gives each position the
     top-k log-probs that one prefill of the whole sequence gives it."""

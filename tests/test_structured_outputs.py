@@ -99,6 +99,7 @@ def test_bitmask_keeps_exactly_the_allowed_tokens_of_its_rows(vocab, data):
         assert bool((masked[i][~keep] == float("-inf")).all())
 
 
+@pytest.mark.timeout(60)  # waits on the mask thread
 def test_the_mask_covers_the_tokenizer_and_leaves_the_padded_ids_out(llm):
     """xgrammar sees the 485 ids the tokenizer has (not 512: each accept scans the ids past
     them); no bit past them is set. The mask thread first accepts each row's pending tokens;
