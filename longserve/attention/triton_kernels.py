@@ -120,6 +120,19 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, PAD_PER_REQ: tl
 
 
 @triton.jit
+def _e4m3_to_f16(x):
+    """e4m3 -> float16 in an asm block the compiler may not move (not pure). A plain cast is
+    moved past the tile's trip through shared memory into the dot's layout; for V (read
+    transposed there) that trip then loads one byte per instruction, 128 a thread for a
+    128 x 128 tile, and bounded the FP8 decode kernel (same time on H100 and H200). Here V
+    converts first and takes bf16's path (16-byte loads, ldmatrix.trans). GPU only."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, qk_scale,
                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
@@ -149,7 +162,11 @@ def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, 
     p = tl.exp2(s * qk_scale - m_new[:, None])  # scale folded into one FMA
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_ptr + tok[:, None] + d[None, :],
-                mask=n_ok[:, None] & (d < D)[None, :], other=0.0).to(q.dtype)  # [N, D]
+                mask=n_ok[:, None] & (d < D)[None, :], other=0.0)  # [N, D]
+    if v.dtype == tl.float8e4nv and q.dtype == tl.float16 and not DOT_UPCAST:
+        v = _e4m3_to_f16(v)
+    else:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, m_new, l_i
 
@@ -345,8 +362,10 @@ SPLIT_DECODE = (64, 4, 2)
 # 32+ query heads on a KV head (tp=2 x dcp=2 of a one-KV-head model): 2.17 -> 2.6 TB/s at
 # 64 x 16K a shard
 SPLIT_DECODE_WIDE = (128, 4, 2)
-# FP8: tiles of the same bytes as bf16's 64 tokens; 184 -> 130 us at 128K (2.07 TB/s of FP8 KV)
-SPLIT_DECODE_FP8 = (128, 4, 2)
+# FP8 with V converted before its shared-memory trip (_e4m3_to_f16): 92 registers, so five
+# programs an SM and 128K's 512 programs in one wave; 130.5 -> 113.2 us at 128K on H100
+# (2.06 -> 2.37 TB/s of FP8 KV). 128-token tiles need 168 registers: three an SM, 1.3 waves.
+SPLIT_DECODE_FP8 = (64, 4, 2)
 # FP8 cache with bf16 queries: dot in fp16. e4m3 -> fp16 is one cvt per two values on sm_90,
 # -> bf16 goes through fp16 and fp32 (three more per pair), on every K and V element read;
 # fp16 holds every e4m3 value and every bf16 query in [-65504, 65504] exactly (q is clamped).
@@ -458,8 +477,8 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
     """Run the paged kernel once per tile variant a step can pick: each query-length bucket
     (1, 2, 4, ... 128 rows a request), with few and with many programs, and decode with one
     split and with several. Triton compiles a variant on first use (0.5-1.2 s: a dp=2 burst on
-    H200 compiled one mid-run); here they compile before serving. Reads block 0 of the cache
-    (one token a request); returns the number of variants run."""
+    H200 compiled one mid-run); here they compile before serving, with the two merges of
+    prefill. Reads block 0 of the cache (one token a request); returns the variants run."""
     _, B, Hkv, D = k_cache.shape
     dev, seen = k_cache.device, set()
     ints = dict(dtype=torch.int32, device=dev)
@@ -474,14 +493,22 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
                 paged_attention_lse(torch.zeros(T, num_heads, D, dtype=dtype, device=dev), k_cache,
                                     v_cache, torch.zeros(R, 1, **ints), torch.arange(0, T + 1, mql, **ints),
                                     torch.ones(R, **ints), 1.0, mql, splits, kv_scale)
-    return len(seen)
+    o, lse = torch.zeros(1, num_heads, D, dtype=dtype, device=dev), torch.zeros(1, num_heads, device=dev)
+    for out_lse in (None, lse.clone()):  # a prefix-cache hit's merge; a segment's (with its LSE)
+        merge_attn_states_triton(torch.empty_like(o), o, lse, o, lse, out_lse)
+    return len(seen) + 2
 
 
 # --------------------------------------------------------------------------------------
 # merge of two partial attention states (e.g. prefix over the cache + causal suffix)
 # --------------------------------------------------------------------------------------
 
-@triton.jit
+# the LSE strides follow a chunk's length (SDPA's LSE is [H, T]: stride T, 1 when T = 1) and
+# its slices' alignment: unspecialized, so a chunk length compiles no variant mid-run (one did,
+# 152 ms into a server's burst, H200)
+@triton.jit(do_not_specialize=["stride_plt", "stride_plh", "stride_slt", "stride_slh",
+                               "stride_olt", "stride_olh"],
+            do_not_specialize_on_alignment=["out_lse_ptr", "p_lse_ptr", "s_lse_ptr"])
 def _merge_two_kernel(
     out_ptr, out_lse_ptr, p_out_ptr, p_lse_ptr, s_out_ptr, s_lse_ptr,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_st, stride_sh,  # outs [T, H, D]
