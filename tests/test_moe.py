@@ -108,6 +108,25 @@ def ref_experts(x, w13, w2, local, weights, k):
     return out
 
 
+def ref_align(local: torch.Tensor, num_local: int, block_m: int):
+    """The align kernels' tensors in torch ops: local [P] each pair's expert on this rank
+    (num_local: another rank's) -> slot_pair [S] (P: padding), block_expert [S / block_m]."""
+    num_pairs = local.numel()
+    num_slots = -(-(num_pairs + num_local * (block_m - 1)) // block_m) * block_m
+    order = torch.argsort(local, stable=True)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64).scatter_add_(0, local, torch.ones_like(local))
+    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    shift = (padded_end - padded) - (torch.cumsum(counts[:num_local], 0) - counts[:num_local])
+    expert = local[order]
+    slot = torch.arange(num_pairs) + shift[expert.clamp(max=num_local - 1)]
+    slot = torch.where(expert < num_local, slot, num_slots)  # other ranks' pairs: cut off
+    slot_pair = torch.full((num_slots + 1,), num_pairs, dtype=torch.int64)
+    slot_pair = slot_pair.scatter_(0, slot, order)[:num_slots]
+    block_expert = torch.searchsorted(padded_end, torch.arange(0, num_slots, block_m), right=True)
+    return slot_pair, torch.where(block_expert < num_local, block_expert, -1)
+
+
 def check_fused_kernel() -> None:
     from longserve.models import fused_moe_kernel as fk
     g = torch.Generator().manual_seed(0)
@@ -123,12 +142,8 @@ def check_fused_kernel() -> None:
             local = local_experts(ids, first, 6)
             ref = ref_experts(x, w13, w2, local, weights.flatten(), k)
             torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
-            slot_pair, block_expert = fk.align_pairs(local, 6, config[1])
-            real = slot_pair < local.numel()
-            assert sorted(slot_pair[real].tolist()) == (local < 6).nonzero().flatten().tolist()
-            owner = block_expert.repeat_interleave(config[1])  # every real slot in its expert's block
-            assert torch.equal(local[slot_pair[real]], owner[real])
     check_align_kernel()
+    check_place_kernel()
     check_moe_layer_fused_path()
 
 
@@ -141,15 +156,44 @@ def check_fused_kernel() -> None:
 def check_align_kernel(num_local, first, num_tokens, k, block_m, one_expert, seed):
     """The one-program align kernel gives align_pairs' tensors exactly, for ids anywhere in
     [-1, first + 2 * num_local + 2): id -1, other ranks' experts below and above ours."""
-    from longserve.models.fused_moe_kernel import align_pairs, align_pairs_fused
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(-1, first + 2 * num_local + 2, (num_tokens, k), generator=g)
-    if one_expert:  # every pair to one of ours: the longest run
-        ids.fill_(first + seed % num_local)
+    from longserve.models.fused_moe_kernel import align_pairs_fused
+    ids = random_ids(num_local, first, num_tokens, k, one_expert, seed)
     got = align_pairs_fused(ids, first, num_local, block_m)
-    ref = align_pairs(local_experts(ids, first, num_local), num_local, block_m)
+    ref = ref_align(local_experts(ids, first, num_local), num_local, block_m)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+
+
+def random_ids(num_local, first, num_tokens, k, one_expert, seed):
+    """ids in [-1, first + 2 * num_local + 2): id -1, other ranks' experts below and above ours;
+    one_expert: every pair to one of ours (the longest run)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, first + 2 * num_local + 2, (num_tokens, k), generator=g)
+    return ids.fill_(first + seed % num_local) if one_expert else ids
+
+
+@settings(max_examples=15, deadline=None)
+@given(num_local=st.sampled_from([1, 6, 128]), first=st.integers(0, 12),
+       num_tokens=st.integers(1, 48), k=st.integers(1, 8), block_m=st.sampled_from([16, 64]),
+       one_expert=st.booleans(), seed=st.integers(0, 2**31))
+@example(num_local=128, first=0, num_tokens=48, k=8, block_m=16, one_expert=False, seed=0)
+def check_place_kernel(num_local, first, num_tokens, k, block_m, one_expert, seed):
+    """The many-program align (several programs of pairs and of blocks) gives the same blocks
+    and, within each expert's run, the same pairs as the stable one, in any order."""
+    from longserve.models import fused_moe_kernel as fk
+    ids = random_ids(num_local, first, num_tokens, k, one_expert, seed)
+    chunk = fk.PLACE_CHUNK
+    fk.PLACE_CHUNK = 32  # several programs at these sizes
+    try:
+        slot_pair, block_expert = fk.place_pairs(ids, first, num_local, block_m)
+    finally:
+        fk.PLACE_CHUNK = chunk
+    ref_pair, ref_expert = ref_align(local_experts(ids, first, num_local), num_local, block_m)
+    assert slot_pair.dtype == ref_pair.dtype and torch.equal(block_expert, ref_expert)
+    for b in range(block_expert.numel()):  # each block holds its expert's pairs, padding last
+        got, ref = (x[b * block_m:(b + 1) * block_m] for x in (slot_pair, ref_pair))
+        assert torch.equal(got.sort().values, ref.sort().values)
+        assert torch.equal(got >= ids.numel(), ref >= ids.numel())
 
 
 def check_moe_layer_fused_path() -> None:
@@ -169,7 +213,7 @@ def check_moe_layer_fused_path() -> None:
     ids[0, 0] = -1  # a pair for no one
     assert (local_experts(ids, 6, 6) < 6).any() and (local_experts(ids, 6, 6) == 6).any()
     pairs = moe.grouped_experts(x, local_experts(ids, 6, 6), weights.flatten(), 3)
-    for max_pairs in (0, fk.ALIGN_KERNEL_MAX_PAIRS):  # torch align_pairs, then the kernel
+    for max_pairs in (0, fk.ALIGN_KERNEL_MAX_PAIRS):  # place_pairs, then the one program
         fk.ALIGN_KERNEL_MAX_PAIRS = max_pairs
         got = moe.experts(x, weights, ids)
         torch.testing.assert_close(got, pairs.view(5, 3, -1).sum(1), atol=1e-5, rtol=1e-5)

@@ -1,8 +1,8 @@
 """A fused mixture-of-experts kernel: both expert GEMMs over the step's (token, expert) pairs.
 
 The pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M
-(`align_pairs_fused`: one single-program kernel for decode-sized steps, where ~30 tiny torch ops
-would cost more launch time than the GEMMs; `align_pairs`, torch ops, above), so every block of
+(`align_pairs_fused`: one program for decode-sized steps; above, a program per chunk of pairs
+that takes places by atomics), so every block of
 BLOCK_M sorted slots holds the pairs of one expert, or none (blocks past the used ones exit at
 once). One kernel, launched twice:
   1. gate-up: x's rows gathered by token -> silu(x W_gate^T) * (x W_up^T) -> h [slots, width]
@@ -25,36 +25,14 @@ from longserve.attention.triton_kernels import _dot
 # (up to this many pairs, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): provisional, until
 # benchmarks/bench_moe_kernel.py --sweep has timed the others at Qwen3-30B-A3B's shapes
 BLOCK_CONFIGS = [(256, 16, 64, 128, 4, 4), (2048, 32, 64, 64, 4, 4), (1 << 62, 64, 128, 64, 8, 3)]
-ALIGN_KERNEL_MAX_PAIRS = 1024  # one program aligns up to this many pairs; above, torch ops
+ALIGN_KERNEL_MAX_PAIRS = 1024  # one program aligns up to this many pairs; above, _place_kernel
 # (H100, 128 experts: 256 pairs ~15 us against ~75 us of torch ops; 4,096 pairs ~250 us)
 ALIGN_CHUNK = 64  # pairs (or blocks) a step of _align_kernel's loops
+PLACE_CHUNK, PLACE_BLOCKS = 128, 8  # pairs and blocks of one _place_kernel program
 
 
 def block_config(num_pairs: int) -> tuple:
     return next(c[1:] for c in BLOCK_CONFIGS if num_pairs <= c[0])
-
-
-def align_pairs(local: torch.Tensor, num_local: int, block_m: int):
-    """local [P]: each pair's expert on this rank (num_local: another rank's) -> slot_pair [S]
-    (the pair in each sorted slot, P for padding) and block_expert [S / block_m] (-1: unused).
-    S covers the worst case, P + num_local * (block_m - 1), so it depends on P alone."""
-    num_pairs, dev = local.numel(), local.device
-    num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m
-    order = torch.argsort(local, stable=True)
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev)
-    counts = counts.scatter_add_(0, local, torch.ones_like(local))[:num_local]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    shift = (padded_end - padded) - (torch.cumsum(counts, 0) - counts)  # slot - sorted position
-    expert = local[order]
-    mine = expert < num_local
-    slot = torch.arange(num_pairs, device=dev) + shift[expert.clamp(max=num_local - 1)]
-    slot = torch.where(mine, slot, num_slots)  # other ranks' pairs: a slot that is cut off
-    slot_pair = torch.full((num_slots + 1,), num_pairs, dtype=torch.int64, device=dev)
-    slot_pair = slot_pair.scatter_(0, slot, order)[:num_slots]
-    starts = torch.arange(0, num_slots, block_m, device=dev)
-    block_expert = torch.searchsorted(padded_end, starts, right=True)
-    return slot_pair, torch.where(block_expert < num_local, block_expert, -1)
 
 
 @triton.jit
@@ -71,7 +49,7 @@ def _one_hot(ids_ptr, start, first, num_local, num_pairs, CHUNK: tl.constexpr,
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, first, num_local, num_pairs,
                   num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BINS: tl.constexpr):
-    """align_pairs in one program, no atomics: count each expert's pairs, lay the padded runs
+    """align_pairs_fused in one program, no atomics: count each expert's pairs, lay the padded runs
     end to end, then put each pair at its run's start + its rank among its expert's pairs."""
     counts = tl.zeros([E_BINS], tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -100,8 +78,10 @@ def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, first, num_local, nu
 
 
 def align_pairs_fused(ids: torch.Tensor, first: int, num_local: int, block_m: int):
-    """align_pairs(moe.local_experts(ids, first, num_local), num_local, block_m), the same tensors,
-    in one launch: ids [...] global expert ids; this rank holds [first, first + num_local)."""
+    """ids [...] global expert ids (this rank holds [first, first + num_local)) -> slot_pair [S]
+    (the pair in each sorted slot, num_pairs for padding) and block_expert [S / block_m] (-1:
+    unused), in one launch. S covers the worst case, P + num_local * (block_m - 1), so it
+    depends on the pair count P alone; pairs keep their order within an expert's run."""
     ids = ids.reshape(-1).contiguous()
     num_pairs = ids.numel()
     num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m
@@ -110,6 +90,61 @@ def align_pairs_fused(ids: torch.Tensor, first: int, num_local: int, block_m: in
     _align_kernel[(1,)](ids, slot_pair, block_expert, first, num_local, num_pairs,
                         block_expert.numel(), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK,
                         E_BINS=triton.next_power_of_2(num_local))
+    return slot_pair, block_expert
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_kernel(ids_ptr, counts_ptr, first, num_local, num_pairs, CHUNK: tl.constexpr):
+    """counts[e] += this chunk's pairs of this rank's expert e (counts zeroed before)."""
+    pairs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - first
+    tl.atomic_add(counts_ptr + local, 1, mask=(local >= 0) & (local < num_local))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _place_kernel(ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, first, num_local,
+                  num_pairs, num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCKS: tl.constexpr, E_BINS: tl.constexpr):
+    """Each pair of this program's chunk to its expert's run (runs padded to BLOCK_M, end to
+    end), at a place taken by an atomic: the order within a run is free (each slot's rows are
+    computed alone). Then its share of the blocks: their expert, and their padding slots."""
+    e = tl.arange(0, E_BINS)
+    counts = tl.load(counts_ptr + e, mask=e < num_local, other=0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    run_end = tl.cumsum(padded, 0)
+    run_start = run_end - padded
+    pairs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - first
+    mine = (local >= 0) & (local < num_local)
+    place = tl.atomic_add(counts_ptr + E_BINS + local, 1, mask=mine)  # the cursors row
+    start = tl.sum(tl.where(local[:, None] == e[None, :], run_start[None, :], 0), 1)
+    tl.store(slot_pair_ptr + start + place, pairs.to(tl.int64), mask=mine)
+    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    expert = tl.sum((run_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), 1)
+    tl.store(block_expert_ptr + blocks, tl.where(expert < num_local, expert, -1),
+             mask=blocks < num_blocks)
+    used_end = tl.sum(tl.where(expert[:, None] == e[None, :], (run_start + counts)[None, :], 0), 1)
+    slots = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    pad = (slots >= used_end[:, None]) | (expert >= num_local)[:, None]
+    tl.store(slot_pair_ptr + slots, num_pairs, mask=pad & (blocks < num_blocks)[:, None])
+
+
+def place_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int):
+    """align_pairs_fused's slots for any number of pairs: a count launch, then a place launch
+    (a program per PLACE_CHUNK pairs); within an expert's run the pairs come in any order."""
+    ids = ids.reshape(-1).contiguous()
+    num_pairs = ids.numel()
+    num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m
+    slot_pair = ids.new_empty(num_slots)
+    block_expert = ids.new_empty(num_slots // block_m)
+    e_bins = triton.next_power_of_2(num_local)
+    counts = torch.zeros(2, e_bins, dtype=torch.int32, device=ids.device)  # counts, cursors
+    _count_kernel[(triton.cdiv(num_pairs, PLACE_CHUNK),)](ids, counts, first, num_local,
+                                                         num_pairs, CHUNK=PLACE_CHUNK)
+    grid = max(triton.cdiv(num_pairs, PLACE_CHUNK), triton.cdiv(block_expert.numel(), PLACE_BLOCKS))
+    _place_kernel[(grid,)](ids, counts, slot_pair, block_expert, first, num_local, num_pairs,
+                           block_expert.numel(), BLOCK_M=block_m, CHUNK=PLACE_CHUNK,
+                           BLOCKS=PLACE_BLOCKS, E_BINS=e_bins)
     return slot_pair, block_expert
 
 
@@ -158,12 +193,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     (num_tokens, top_k), (num_local, hidden, width) = ids.shape, w2.shape
     num_pairs = num_tokens * top_k
     bm, bn, bk, warps, stages = block_config(num_pairs)
-    if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:  # one launch instead of ~35
-        slot_pair, block_expert = align_pairs_fused(ids, first, num_local, bm)
-    else:  # torch ops use the whole GPU
-        local = ids.flatten() - first  # another rank's expert (or id -1): num_local
-        local = local.masked_fill((local < 0) | (local >= num_local), num_local)
-        slot_pair, block_expert = align_pairs(local, num_local, bm)
+    align = align_pairs_fused if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else place_pairs
+    slot_pair, block_expert = align(ids, first, num_local, bm)
     weights = weights.flatten().float()  # no copy for select_experts' [T, k] float32
     h = x.new_empty(slot_pair.numel(), width)
     out = x.new_zeros(num_pairs, hidden)
