@@ -43,11 +43,25 @@ def _watch_kernel_compiles() -> None:
     def before(key=None, **_):
         started[str(key)] = time.perf_counter()  # None: Triton goes on and compiles
 
-    def after(key=None, repr=None, **_):
+    def after(key=None, repr=None, signature=None, constants=None, configs=None, **_):
         took = time.perf_counter() - started.pop(str(key), time.perf_counter())
-        logger.warning("process %d: a Triton kernel was compiled while serving (%.0f ms): %s",
-                       os.getpid(), 1e3 * took, (repr or "?")[:300])
+        logger.warning("process %d: a Triton kernel was compiled while serving (%.0f ms): %s %s",
+                       os.getpid(), 1e3 * took, (repr or "?").split("(")[0],
+                       _variant(signature, constants, configs))
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+
+
+def _variant(signature, constants, configs) -> str:
+    """What picked a variant, by argument name: its constants (constexprs, and ints equal to
+    1) and the arguments it assumed divisible by 16."""
+    try:
+        names = list(signature)
+        consts = [f"{names[k[0]]}={v}" for k, v in constants.items()]
+        div16 = [names[k[0]] for k, attrs in (configs or [{}])[0].items()
+                 if ["tt.divisibility", 16] in [list(a) for a in attrs]]
+        return f"constants {', '.join(consts)}; divisible by 16: {', '.join(div16)}"[:600]
+    except Exception as e:  # another Triton's hook arguments: the stall is still logged
+        return f"(variant not read: {type(e).__name__})"
 
 
 def _thaw() -> None:
