@@ -13,6 +13,7 @@ their decode steps; --model builtin:llama3-8b-1kv-shape is the shape where DCP s
     python benchmarks/bench_capacity.py --tokens 131072 --pcp 1 --decode 48 --kv-cache-dtype auto,fp8
     python benchmarks/bench_capacity.py --tokens 131072 --pcp 1 --tp 2 --dcp 2 --model builtin:llama3-8b-1kv-shape
 
+--load: the --batch prompts in one generate, output tokens/s (FP8 under load).
 --batch B decodes B such prompts together: all prefilled first, then run again from the prefix
 cache so that they decode together (the steps where all B decode are timed), e.g. the
 one-KV-head shape under load: --batch 64 --tokens 32000; --profile N prints where N of those
@@ -85,6 +86,22 @@ def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0):
     return reqs, prefill_s, step_times
 
 
+def load_run(llm, prompts, args, kv_cache_dtype: str) -> float:
+    """--load: the batch as one offline generate (prefill, preemptions and all); output tok/s."""
+    t = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=args.decode, ignore_eos=True), use_tqdm=False)
+    dt = time.perf_counter() - t
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"load: {torch.cuda.get_device_name()}, {args.model}, kv_cache_dtype={kv_cache_dtype}, "
+          f"{args.batch} x ({args.tokens} + {args.decode}): {dt:.1f} s, {toks / dt:.1f} output tok/s, "
+          f"pool {llm.config.cache.num_blocks} blocks", flush=True)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return toks / dt
+
+
 def run(args, kv_cache_dtype: str) -> float:
     s = args.tokens
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
@@ -96,6 +113,8 @@ def run(args, kv_cache_dtype: str) -> float:
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, min(128000, cfg.vocab_size), s).tolist()}
                for _ in range(args.batch)]
+    if args.load:
+        return load_run(llm, prompts, args, kv_cache_dtype)
     with llm.engine.client.paused() as core:  # this thread steps the engine core
         weight_bytes = sum(p.numel() * p.element_size()  # rank 0's share of the weights
                            for p in core.executor.driver.runner.model.parameters())
@@ -143,10 +162,14 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="profile this many decode steps (rank 0)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="a comma list: auto, fp8")
     ap.add_argument("--bw", type=float, default=4.2e12, help="HBM bytes/s for the floor (H200: 4.2e12)")
+    ap.add_argument("--load", action="store_true",
+                    help="output tok/s of the batch in one generate (e.g. --batch 32 --tokens 16384 "
+                         "--decode 1024 --pcp 1: FP8 under load)")
     args = ap.parse_args()
     steps = {d: run(args, d) for d in args.kv_cache_dtype.split(",")}
     if {"auto", "fp8"} <= set(steps):
-        print(f"fp8 / bf16 decode step: {steps['fp8'] / steps['auto']:.3f}")
+        what = "output tok/s" if args.load else "decode step"
+        print(f"fp8 / bf16 {what}: {steps['fp8'] / steps['auto']:.3f}")
 
 
 if __name__ == "__main__":
