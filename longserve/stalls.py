@@ -43,11 +43,12 @@ def _watch_kernel_compiles() -> None:
     def before(key=None, **_):
         started[str(key)] = time.perf_counter()  # None: Triton goes on and compiles
 
-    def after(key=None, repr=None, signature=None, constants=None, configs=None, **_):
+    def after(key=None, repr=None, compile=None, **_):
         took = time.perf_counter() - started.pop(str(key), time.perf_counter())
+        c = compile or {}
         logger.warning("process %d: a Triton kernel was compiled while serving (%.0f ms): %s %s",
                        os.getpid(), 1e3 * took, (repr or "?").split("(")[0],
-                       _variant(signature, constants, configs))
+                       _variant(c.get("signature"), c.get("constants"), c.get("configs")))
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
 
 

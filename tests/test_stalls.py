@@ -15,9 +15,9 @@ def test_a_kernel_compiled_after_warm_up_is_logged(caplog):
             # what Triton calls around a compile: the first must return None (compile it)
             assert knobs.runtime.jit_cache_hook(key=("k", 1), repr="_paged_attn_kernel[...]") is None
             knobs.runtime.jit_post_compile_hook(
-                key=("k", 1), repr="_paged_attn_kernel[...](q_ptr: *bf16)",
-                signature={"q_ptr": "*bf16", "stride": "i32", "BLOCK_R": "constexpr"},
-                constants={(1,): 1, (2,): 256}, configs=[{(0,): [["tt.divisibility", 16]]}])
+                key=("k", 1), repr="_paged_attn_kernel[...](q_ptr: *bf16)", compile=dict(
+                    signature={"q_ptr": "*bf16", "stride": "i32", "BLOCK_R": "constexpr"},
+                    constants={(1,): 1, (2,): 256}, configs=[{(0,): [["tt.divisibility", 16]]}]))
         assert "compiled while serving" in caplog.text and "_paged_attn_kernel" in caplog.text
         # the variant names itself: its constants and its arguments assumed 16-divisible
         assert "stride=1, BLOCK_R=256" in caplog.text and "divisible by 16: q_ptr" in caplog.text
