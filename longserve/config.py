@@ -1,8 +1,7 @@
 """Flat configuration dataclasses.
 
 `EngineConfig` is what `LLM(...)` and the `longserve` command build; every worker
-receives a copy of it, so everything in here is plain data (picklable).
-"""
+receives a copy of it, so everything in here is plain data (picklable)."""
 from __future__ import annotations
 
 import json
@@ -139,22 +138,16 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        rope_scaling = hf.get("rope_scaling")
-        rope_theta = hf.get("rope_theta")
+        rope_scaling, rope_theta = hf.get("rope_scaling"), hf.get("rope_theta")
         rope_params = hf.get("rope_parameters")  # transformers >= 5 folds theta and scaling here
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-        kv_sharing = {int(k): int(v) for k, v in (hf.get("longserve_kv_sharing") or {}).items()}
-        return cls(**moe_fields(arch, hf), **dict(
-            path=path,
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
+        return cls(
+            **moe_fields(arch, hf), path=path, architecture=arch, vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -164,11 +157,9 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            eos_token_ids=eos_ids,
-            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids, bos_token_id=hf.get("bos_token_id"),
             checkpoint_dtype=parse_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
-            kv_sharing=kv_sharing,
-        ))
+            kv_sharing={int(k): int(v) for k, v in (hf.get("longserve_kv_sharing") or {}).items()})
 
 
 def moe_fields(arch: str, hf: dict) -> dict:
@@ -314,9 +305,6 @@ class KVTransferConfig:
             raise ValueError("CPU offload and kv_role cannot be combined yet: use one of them")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port must be in [0, 65536), got {self.kv_port}")
-        self._validate_connect()
-
-    def _validate_connect(self) -> None:
         if not isinstance(self.kv_connect, list):
             raise ValueError(f"kv_connect must be a list of 'host:port', got {self.kv_connect!r}")
         if self.kv_connect and self.kv_role not in ("kv_consumer", "kv_both"):
@@ -349,5 +337,4 @@ class EngineConfig:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's element type."""
         return KV_CACHE_DTYPES[self.cache.kv_cache_dtype] or self.dtype

@@ -1,6 +1,7 @@
 """`LLM`: the offline API, in vLLM's shape."""
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 
@@ -9,6 +10,7 @@ from tqdm import tqdm
 
 from longserve.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
                               ParallelConfig, SchedulerConfig, parse_dtype)
+from longserve.engine.executor import launched_by_torchrun
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.request import RequestOutput
 from longserve.inputs import is_token_list
@@ -17,12 +19,10 @@ from longserve.sampling_params import SamplingParams
 
 
 def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig, device: str) -> None:
-    sizes = dict(tensor_parallel_size=p.tensor_parallel_size,
-                 prefill_context_parallel_size=p.prefill_context_parallel_size,
-                 decode_context_parallel_size=p.decode_context_parallel_size,
-                 data_parallel_size=p.data_parallel_size,
-                 cp_kv_cache_interleave_size=p.cp_kv_cache_interleave_size)
-    for name, v in sizes.items():
+    for name in ("tensor_parallel_size", "prefill_context_parallel_size",
+                 "decode_context_parallel_size", "data_parallel_size",
+                 "cp_kv_cache_interleave_size"):
+        v = getattr(p, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     tp, dcp = p.tensor_parallel_size, p.decode_context_parallel_size
@@ -41,7 +41,8 @@ def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig,
                          f"block_size={cache.block_size}")
     validate_moe_parallel(p, model)
     local = p.data_parallel_size if p.data_parallel_size_local is None else p.data_parallel_size_local
-    if device == "cuda" and local * p.replica_size > torch.cuda.device_count() and not _under_torchrun():
+    if (device == "cuda" and local * p.replica_size > torch.cuda.device_count()
+            and not launched_by_torchrun()):
         raise ValueError(f"the parallel layout (data_parallel_size x prefill_context_parallel_size x "
                          f"tensor_parallel_size) needs {local * p.replica_size} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
@@ -75,11 +76,6 @@ def validate_moe_parallel(p: ParallelConfig, model: ModelConfig) -> None:
             raise ValueError(f"{name} must be an integer >= 2, got {getattr(p, name)!r}")
 
 
-def _under_torchrun() -> bool:
-    from longserve.engine.executor import launched_by_torchrun
-    return launched_by_torchrun()
-
-
 def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = None,
                         dtype: str | torch.dtype = "auto", device: str | None = None,
                         max_model_len: int | None = None, block_size: int = 16,
@@ -108,14 +104,7 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    check_engine_args(block_size=block_size, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens,
-                      gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb,
-                      num_gpu_blocks=num_gpu_blocks, seed=seed, attention_backend=attention_backend,
-                      load_format=load_format, distributed_timeout_s=distributed_timeout_s,
-                      enable_prefix_caching=enable_prefix_caching,
-                      enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
-                      enable_sequence_parallel=enable_sequence_parallel)
+    check_engine_args(locals())  # the arguments so far, by name
     model_cfg = model_with_tokenizer(model, seed, tokenizer)
     if dtype == "auto":
         dtype = torch.float32 if device == "cpu" else (
@@ -135,7 +124,7 @@ def build_engine_config(model: str = DEFAULT_MODEL, *, tokenizer: str | None = N
     kv_transfer = build_kv_transfer_config(kv_transfer_config, kv_offload_gb)
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens or max(8192, max_num_seqs),
                             max_model_len, enable_chunked_prefill,
-                            resolve_async_scheduling(async_scheduling, parallel, kv_transfer))
+                            resolve_async_scheduling(async_scheduling, kv_transfer))
     check_kv_transfer_fits(kv_transfer, enable_prefix_caching, data_parallel_size)
     return EngineConfig(model_cfg, cache, parallel, sched, parse_dtype(dtype), device,
                         enforce_eager, seed, attention_backend, load_format, kv_transfer)
@@ -175,13 +164,13 @@ def validate_dp_hosts(p: ParallelConfig) -> None:
     if local < p.data_parallel_size and not port:
         raise ValueError("cores on other hosts (data_parallel_size_local < data_parallel_size) "
                          "need a fixed data_parallel_rpc_port to connect to")
-    if p.data_parallel_size > 1 and _under_torchrun():
+    if p.data_parallel_size > 1 and launched_by_torchrun():
         raise ValueError("data_parallel_size > 1 runs one engine core per DP rank; across hosts "
                          "use --data-parallel-address / --data-parallel-rpc-port (and --headless on "
                          "the other hosts) instead of torchrun")
 
 
-def resolve_async_scheduling(requested, parallel: ParallelConfig, kv: KVTransferConfig) -> bool:
+def resolve_async_scheduling(requested, kv: KVTransferConfig) -> bool:
     """On by default; off (and refused when asked for) with KV transfer / offload (loads and
     saves are tied to the step that reports them)."""
     why = "KV transfer or kv_offload_gb" if kv.kv_role or kv.kv_offload_bytes else None
@@ -226,7 +215,7 @@ LOAD_FORMATS = ("auto", "dummy")
 MAX_BLOCK_SIZE = 4096
 
 
-def check_engine_args(**args) -> None:
+def check_engine_args(args: dict) -> None:
     """Types and ranges of the engine's scalar arguments; the message names the field."""
     def integer(name, lo, hi=None, optional=False):
         v = args[name]
@@ -336,7 +325,5 @@ class LLM:
         self.shutdown()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass

@@ -3,8 +3,7 @@
 `validate()` checks every field's type and range (messages name the field and what is
 allowed) and normalizes integer-like values (numpy / torch integers) to Python ints.
 The engine queues `canonical()`, a plain `SamplingParams` copy: it always pickles to the
-workers, whatever subclass or extra attributes the caller used.
-"""
+workers, whatever subclass or extra attributes the caller used."""
 from __future__ import annotations
 
 import dataclasses
@@ -112,8 +111,7 @@ class SamplingParams:
         self.top_p = as_float(self.top_p, "top_p")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        self.top_k = as_int(self.top_k, "top_k (-1 or 0: off)", -1)
-        self.top_k = 0 if self.top_k == -1 else self.top_k
+        self.top_k = max(0, as_int(self.top_k, "top_k (-1 or 0: off)", -1))
         self.n = as_int(self.n, "n", 1)
         if self.seed is not None:  # choice i samples with seed + i
             self.seed = as_int(self.seed, "seed", SEED_RANGE[0], SEED_RANGE[1] - self.n + 1)

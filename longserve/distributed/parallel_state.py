@@ -6,8 +6,7 @@ DCP adds no ranks: it splits each TP group into runs of `dcp` consecutive ranks
 pcp x dcp context-parallel (CP) ranks, cp_rank = pcp_rank * dcp + dcp_rank.
 
 Every group is a `GroupCoordinator`; at size 1 its collectives return the input
-untouched and never touch torch.distributed, so one rank needs no process group.
-"""
+untouched and never touch torch.distributed, so one rank needs no process group."""
 from __future__ import annotations
 
 import datetime
@@ -54,16 +53,12 @@ class RankLayout:
     def cp_rank(self) -> int:
         return self.pcp_rank * self.dcp_size + self.dcp_rank
 
-    @staticmethod
-    def global_rank(tp_size: int, pcp_size: int, dp: int, pcp: int, tp: int) -> int:
-        return (dp * pcp_size + pcp) * tp_size + tp
-
 
 def group_ranks(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
     """Rank lists of every group kind, each list ordered by rank within the group."""
     tp, pcp, dcp, dp = (cfg.tensor_parallel_size, cfg.prefill_context_parallel_size,
                         cfg.decode_context_parallel_size, cfg.data_parallel_size)
-    rank = lambda d, p, t: RankLayout.global_rank(tp, pcp, d, p, t)  # noqa: E731
+    rank = lambda d, p, t: (d * pcp + p) * tp + t  # noqa: E731 (the module docstring's layout)
     groups: dict[str, list[list[int]]] = {"tp": [], "pcp": [], "dcp": [], "cp": [], "dp": [],
                                           "model": []}
     for d in range(dp):
@@ -152,8 +147,6 @@ class GroupCoordinator:
 
     def gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor | None:
         """Concatenation on the first rank of the group, None elsewhere."""
-        if self.world_size == 1:
-            return x
         gathered = self.all_gather(x, dim)  # NCCL gather is point-to-point; all-gather is one call
         return gathered if self.is_first_rank else None
 
@@ -210,8 +203,7 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
     if cfg.world_size == 1:
         return single_rank_state()
     mine, timeout = {}, datetime.timedelta(seconds=cfg.distributed_timeout_s)
-    groups = group_ranks(cfg)
-    for kind, lists in groups.items():
+    for kind, lists in group_ranks(cfg).items():
         for ranks in lists:
             device_group = dist.new_group(ranks, timeout=timeout)
             cpu_group = dist.new_group(ranks, backend="gloo",

@@ -7,8 +7,7 @@ stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Measured inside CUDA graphs on 2
 (benchmarks/bench_allreduce.py, docs/benchmarks.md), NCCL is already ~9.6 us at 8 KB there, so
 one-shot wins by ~0.5 us up to 64 KB and two-shot by 6-9 us at 2-8 MB (prefill chunks); (2 x
 H200: NCCL 19 us at 8 KB against 6 us). An all-gather as a zero-padded all-reduce lost to NCCL's
-at every size on the H100s: gathers stay on NCCL.
-"""
+at every size on the H100s: gathers stay on NCCL."""
 from __future__ import annotations
 
 import logging

@@ -5,8 +5,7 @@ arrive validated and tokenized (the front end is the door); `step()` plans a ste
 it and applies the previous one (asynchronous scheduling), and returns what each request
 gained as `EngineCoreOutput`s. Text, stop strings and streams are the front end's business:
 it aborts a request whose stop string appeared. Nothing here knows of sockets or HTTP
-(core_proc.py moves these objects between processes).
-"""
+(core_proc.py moves these objects between processes)."""
 from __future__ import annotations
 
 import time
@@ -20,6 +19,7 @@ from longserve.engine.request import Request
 from longserve.engine.scheduler import Scheduler
 from longserve.engine.structured_output import StructuredOutputManager
 from longserve.kv_transfer.base import build_scheduler_connector
+from longserve.kv_transfer.p2p import host_store
 from longserve.step_plan import SchedulerOutput
 
 
@@ -27,21 +27,16 @@ class EngineCore:
     def __init__(self, config: EngineConfig, engine_index: int = 0, dist_init: str | None = None):
         t0 = time.perf_counter()
         self.config, self.engine_index = config, engine_index
-        self.kv_store = None
-        if config.kv_transfer.kv_role is not None:  # before the workers: they connect to it
-            from longserve.kv_transfer.p2p import host_store
-            self.kv_store = host_store(config)
+        # a producer's store, before the workers: they connect to it
+        self.kv_store = host_store(config) if config.kv_transfer.kv_role is not None else None
         self.executor = Executor(config, dist_init)
         self.kv = KVCacheManager(self.executor.num_blocks,
                                  config.cache.block_size * config.parallel.cp_world_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.kv_connector = build_scheduler_connector(
+            config, self.kv, self.executor.driver.runner.kv_bytes_per_block(), self.kv_store)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.kv_connector)
         self.structured = StructuredOutputManager(config.model)
-        self.kv_connector = None
-        if config.kv_transfer.kv_role is not None or config.kv_transfer.kv_offload_bytes:
-            self.kv_connector = build_scheduler_connector(
-                config, self.kv, self.executor.driver.runner.kv_bytes_per_block(), self.kv_store)
-            self.scheduler.connector = self.kv_connector
         self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
         self._mask = None  # the bitmask of a step with structured requests, being filled
         self._num_sent: dict[str, int] = {}  # output tokens already reported, per request
@@ -80,11 +75,10 @@ class EngineCore:
         """One Request per choice: choice 0 computes the prompt, the others fork from it."""
         params = r.sampling_params
         reqs = [Request(cid, r.prompt_token_ids, params if params.n == 1 else params.choice(i),
-                        r.eos_token_ids, arrival=r.arrival_time) for i, cid in enumerate(r.choice_ids)]
+                        r.eos_token_ids) for i, cid in enumerate(r.choice_ids)]
         req, req.children = reqs[0], reqs[1:]
         req.kv_transfer_params = dict(r.kv_transfer_params) if r.kv_transfer_params else None
-        for cid in r.choice_ids:
-            self._num_sent[cid] = 0
+        self._num_sent.update(dict.fromkeys(r.choice_ids, 0))
         if params.structured_outputs is not None:
             self.structured.add(req)  # joins the scheduler (choices too) once its grammar is compiled
         else:
@@ -180,11 +174,10 @@ class EngineCore:
         return [] if previous is None else self._apply(previous[0], previous[1].result())
 
     def _apply(self, out, result) -> list[EngineCoreOutput]:
-        failed = []
-        if result is not None and result.kv_connector_output is not None:
-            failed = self.scheduler.update_kv_transfers(result.kv_connector_output)
         if result is None:  # a dummy step
-            return self._outputs(out, failed + self.scheduler.update_from_output(out, {}))
+            return self._outputs(out, self.scheduler.update_from_output(out, {}))
+        kv_out = result.kv_connector_output
+        failed = [] if kv_out is None else self.scheduler.update_kv_transfers(kv_out)
         finished = self.scheduler.update_from_output(out, result.sampled, result.logprobs,
                                                      result.prompt_logprobs)
         return self._outputs(out, failed + finished)
@@ -270,9 +263,6 @@ class EngineCore:
         return dict(num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
                     refs_zero=all(c == 0 for c in self.kv.ref_cnt),
                     unfinished=self.scheduler.has_unfinished())
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.structured.shutdown()

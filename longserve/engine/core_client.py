@@ -10,8 +10,7 @@ connect to `--data-parallel-address:--data-parallel-rpc-port`. With several API 
 every core connects to all of them, and a front end watches the cores' pids (`PidWatch`).
 
 `InprocClient` (LONGSERVE_ENABLE_MULTIPROCESSING=0, torchrun, debugging): one EngineCore on a
-thread of this process, the same loop and messages without sockets.
-"""
+thread of this process, the same loop and messages without sockets."""
 from __future__ import annotations
 
 import atexit
@@ -31,8 +30,9 @@ from dataclasses import dataclass, field, replace
 
 from longserve.config import EngineConfig
 from longserve.engine.core_proc import CoreAddresses, EngineCoreProc
+from longserve.engine.executor import check_visible_gpus, free_port
 from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
-                                       decode_outputs, encode, unpack_result)
+                                       decode_any, decode_outputs, encode, unpack_result)
 
 logger = logging.getLogger("longserve.engine")
 HEARTBEAT_TIMEOUT_S = 30.0  # a core heard from within this is alive (it beats every second)
@@ -70,7 +70,6 @@ def core_gpus(config: EngineConfig, num_local_cores: int) -> list[list[str]] | N
     ones. A layout that needs more than are visible is refused before anything starts."""
     if config.device != "cuda":
         return None
-    from longserve.engine.executor import check_visible_gpus
     per_core, visible = config.parallel.replica_size, visible_gpus()
     check_visible_gpus(per_core * num_local_cores, len(visible),
                        f" on this host ({num_local_cores} engine core(s) x {per_core} ranks)")
@@ -96,7 +95,6 @@ def dp_addresses(par) -> tuple[str, str, str]:
 
 
 def local_dp_ranks(par) -> range:
-    """The DP ranks whose cores run on this host."""
     local = par.data_parallel_size if par.data_parallel_size_local is None else par.data_parallel_size_local
     return range(par.data_parallel_start_rank, par.data_parallel_start_rank + local)
 
@@ -230,7 +228,6 @@ class MPClient:
         host = "127.0.0.1"
         cmd_port = self.router.bind_to_random_port(f"tcp://{host}")
         out_port = self.pull.bind_to_random_port(f"tcp://{host}")
-        from longserve.engine.executor import free_port
         return CoreAddresses([f"tcp://{host}:{cmd_port}"], [f"tcp://{host}:{out_port}"],
                              f"tcp://{host}:{free_port()}")
 
@@ -245,8 +242,8 @@ class MPClient:
                 index = int.from_bytes(identity, "big")
                 if kind == b"failed":
                     raise RuntimeError(f"engine core {index} failed to start: "
-                                       f"{decode_outputs_any(payload)}")
-                infos[index] = decode_outputs_any(payload)
+                                       f"{decode_any(payload)}")
+                infos[index] = decode_any(payload)
             for d, p in self.procs.items():
                 if p.poll() is not None and d not in infos:
                     raise RuntimeError(f"engine core {d} died while starting (exit code {p.returncode})")
@@ -331,10 +328,8 @@ class MPClient:
             return
         ours = self.front_end is None  # else the cores are their starter's to stop
         for core in set(range(self.num_cores if ours else 0)) - set(self.dead):
-            try:
+            with contextlib.suppress(RuntimeError):
                 self.send(core, SHUTDOWN, None)
-            except RuntimeError:
-                pass
         self._closing = True  # cores that now exit are not reported dead
         if ours:
             stop_processes(self.procs.values(), timeout)
@@ -391,11 +386,6 @@ def run_headless(config: EngineConfig) -> int:
         stop(None, None)
         codes = [p.wait() for p in procs]
     return max(abs(c) for c in codes)
-
-
-def decode_outputs_any(payload: bytes):
-    import msgspec
-    return msgspec.msgpack.decode(payload)
 
 
 class InprocClient:

@@ -18,8 +18,7 @@ Expert models with DP > 1 step in lockstep (vLLM's waves): while any core has wo
 core runs a forward each iteration (a dummy one when it has nothing planned), and after each
 iteration the cores all-reduce whether any still has work; when none has, all stop together
 and wait for the next wave. A core that gets a request while idle starts the wave at once and
-says so; the front end then tells the others (`WAVE`).
-"""
+says so; the front end then tells the others (`WAVE`)."""
 from __future__ import annotations
 
 import logging
@@ -79,8 +78,7 @@ class EngineCoreProc:
 
     def __init__(self, core: EngineCore, inputs: queue.Queue, emit):
         self.core, self.inputs, self.emit = core, inputs, emit
-        self.index = core.engine_index
-        self.lockstep = core.config.dp_lockstep
+        self.index, self.lockstep = core.engine_index, core.config.dp_lockstep
         self.wave, self.wave_running = 0, False
         self.stopping = self.stop_after_wave = False
 

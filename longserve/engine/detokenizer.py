@@ -5,8 +5,7 @@ tokens[prefix_offset:] minus the decode of tokens[prefix_offset:read_offset] (a 
 context keeps word-boundary spaces right). While the tail ends in an incomplete UTF-8
 sequence (U+FFFD) no text is emitted yet. Each step therefore decodes a handful of tokens,
 and a stop string is searched only in the new text plus the longest stop string's length
-of overlap, not in the whole output.
-"""
+of overlap, not in the whole output."""
 from __future__ import annotations
 
 

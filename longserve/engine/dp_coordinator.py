@@ -5,8 +5,7 @@ live core with the lowest `4 x waiting + running` (vLLM's rule; requests sent si
 core's last report count as waiting), unless it pins a rank. Dense models' cores step on
 their own. Expert models' cores step in lockstep waves (engine/core_proc.py): when a request
 goes out while the cores are idle, every core is told to start the wave; a core that started
-a wave by itself (its view was newer than ours) says so and the others are told the same.
-"""
+a wave by itself (its view was newer than ours) says so and the others are told the same."""
 from __future__ import annotations
 
 from longserve.engine.messages import SchedulerStats

@@ -11,8 +11,7 @@ collective of a step is bounded by `distributed_timeout_s` (a stopped or hung wo
 A step cut short on rank 0 (an exception, a second Ctrl-C) leaves the ranks out of step:
 the executor then stops its workers and refuses further steps. One multi-process engine
 lives in a process at a time (torch.distributed has one default group): building another
-shuts the previous one down; so do shutdown(), a failed start, and exit (atexit).
-"""
+shuts the previous one down; so do shutdown(), a failed start, and exit (atexit)."""
 from __future__ import annotations
 
 import atexit
@@ -179,20 +178,19 @@ class Executor:
         while self.procs and self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.failure is None and is_timeout(e):
-            self.failure = (f"worker rank {self._laggards()} did not respond within "
-                            f"{self.timeout:g} s while {what}")
+            self.failure = self._unresponsive(what)
         if self.failure is None:
             return e
         where = "" if self.failure.endswith(what) else f" while {what}"
         return RuntimeError(f"{self.failure}{where}; the engine cannot continue")
 
-    def _laggards(self) -> str:
-        """The workers to blame: stopped ones, else those that did not take the current plan."""
+    def _unresponsive(self, what: str) -> str:
+        """The failure naming the workers to blame: stopped ones, else those behind the plan."""
         stopped = [r for r, p in zip(self.worker_ranks, self.procs) if process_state(p.pid) == "T"]
-        if stopped:
-            return ", ".join(map(str, stopped)) + " (its process is stopped)"
         behind = [r for r in self.worker_ranks if self.progress and self.progress[r] < self._step]
-        return ", ".join(map(str, behind or self.worker_ranks))
+        ranks = (", ".join(map(str, stopped)) + " (its process is stopped)" if stopped
+                 else ", ".join(map(str, behind or self.worker_ranks)))
+        return f"worker rank {ranks} did not respond within {self.timeout:g} s while {what}"
 
     # ---- steps ------------------------------------------------------------------------
     def execute_async(self, out: SchedulerOutput) -> "PendingStep":
@@ -222,11 +220,10 @@ class Executor:
 
     def _fell_out_of_step(self, e: BaseException) -> None:
         """The other ranks are somewhere inside the step: stop them."""
-        if self.world > 1 and self.failure is None:
-            self.failure = (f"step {self._step} was cut short on rank 0 by "
-                            f"{type(e).__name__} (the ranks fell out of step; the "
-                            "workers were stopped)")
         if self.world > 1:
+            self.failure = self.failure or (f"step {self._step} was cut short on rank 0 by "
+                                            f"{type(e).__name__} (the ranks fell out of step; "
+                                            "the workers were stopped)")
             self._teardown()
 
     # ---- shutting down ----------------------------------------------------------------
@@ -246,11 +243,9 @@ class Executor:
         self._closing = True
         goodbye = False
         if self.world > 1 and self.failure is None and self.driver is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self.driver.ps.model.broadcast_object(SHUTDOWN)
                 goodbye = True
-            except Exception:
-                pass
         self._teardown(peers_present=goodbye)
 
     def _teardown(self, peers_present: bool = False) -> None:
@@ -275,10 +270,8 @@ class Executor:
             torch.set_num_threads(self._threads)
 
     def __del__(self):  # an engine dropped without shutdown() (the atexit hook holds no reference)
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass
 
 
 class PendingStep:
@@ -391,8 +384,7 @@ def watch(ref: weakref.ref) -> None:
         waiting = ex._waiting
         if (ex.failure is None and waiting and waiting[0].startswith("taking the plan")
                 and time.monotonic() - waiting[1] > ex.timeout):
-            ex.failure = (f"worker rank {ex._laggards()} did not respond within "
-                          f"{ex.timeout:g} s while {waiting[0]}")
+            ex.failure = ex._unresponsive(waiting[0])
         if ex.failure:
             for p in ex.procs:
                 if p.exitcode is None:

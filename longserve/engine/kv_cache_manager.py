@@ -8,8 +8,7 @@ Prefix caching: a full block is named by a hash chain over its tokens
 (h_i = hash((h_{i-1}, tokens of block i))). Computed full blocks are registered
 in `cached`; a new request reuses the longest chain of hits, bumping reference
 counts. Free blocks sit in an LRU queue; a cached free block keeps its hash until
-it is taken for new data (evicted), oldest first.
-"""
+it is taken for new data (evicted), oldest first."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -50,9 +49,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)  # least recently used first
         h = self.block_hash[block_id]
@@ -82,8 +78,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest run of cached full blocks at the start of the request, and its token count.
 
-        At least one token is always left to compute: its logits give the next token.
-        """
+        At least one token is always left to compute: its logits give the next token."""
         if not self.enable_prefix_caching:
             return [], 0
         request.block_hashes = compute_block_hashes(

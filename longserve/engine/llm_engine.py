@@ -4,10 +4,10 @@
 here (`make_request`, raising ValueError / TypeError naming the field, before anything is
 queued), goes to the engine core that the DP coordinator picks, and comes back as text
 through the output processor. The step loop runs in the cores' own processes
-(engine/core_proc.py), or on a thread of this one (`LONGSERVE_ENABLE_MULTIPROCESSING=0`).
-"""
+(engine/core_proc.py), or on a thread of this one (`LONGSERVE_ENABLE_MULTIPROCESSING=0`)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -17,6 +17,7 @@ import time
 from longserve.config import EngineConfig
 from longserve.engine.core_client import FrontEnd, InprocClient, MPClient
 from longserve.engine.dp_coordinator import DPCoordinator
+from longserve.engine.executor import launched_by_torchrun
 from longserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from longserve.engine.output_processor import (EngineDeadError, EngineOverloadedError,
                                                OutputProcessor, RequestStream)
@@ -32,10 +33,8 @@ MULTIPROCESSING = "LONGSERVE_ENABLE_MULTIPROCESSING"
 def use_multiprocessing(config: EngineConfig) -> bool:
     """Engine cores in processes of their own, unless asked not to (one core only) or under
     torchrun (rank 0's process drives its replica, the others are its workers)."""
-    from longserve.engine.executor import launched_by_torchrun
-    if config.parallel.data_parallel_size > 1:
-        return True
-    return os.environ.get(MULTIPROCESSING, "1") != "0" and not launched_by_torchrun()
+    return config.parallel.data_parallel_size > 1 or (
+        os.environ.get(MULTIPROCESSING, "1") != "0" and not launched_by_torchrun())
 
 
 class LLMEngine:
@@ -180,14 +179,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """End a request, every choice of it."""
-        core = self.output.engine_of(request_id)
-        if core is None:
-            return
-        choice_ids = self.output.abort(request_id)
-        try:
-            self.client.abort(core, choice_ids)
-        except RuntimeError:
-            pass  # its core is gone: nothing of it is left to free
+        core, choice_ids = self.output.abort(request_id)
+        with contextlib.suppress(RuntimeError):  # its core is gone: nothing of it is left to free
+            if choice_ids:  # else it had ended
+                self.client.abort(core, choice_ids)
 
     def _on_outputs(self, msg: EngineCoreOutputs) -> None:
         """On the client's reader thread: one core's step."""
@@ -240,8 +235,7 @@ class LLMEngine:
 
     def info(self) -> dict:
         """What the engine holds (the server's start-up banner)."""
-        c, first = self.config, self.infos[0]
-        par = c.parallel
+        c, par = self.config, self.config.parallel
         return dict(model=c.model.path, dtype=str(c.dtype).removeprefix("torch."), device=c.device,
                     device_names=[n for i in self.infos for n in i["device_names"]],
                     tensor_parallel_size=par.tensor_parallel_size,
@@ -249,7 +243,7 @@ class LLMEngine:
                     decode_context_parallel_size=par.decode_context_parallel_size,
                     data_parallel_size=par.data_parallel_size, num_gpu_blocks=self.num_blocks,
                     tokens_per_block=self.tokens_per_block, max_model_len=c.scheduler.max_model_len,
-                    cudagraph_capture_s=first["cudagraph_capture_s"],
+                    cudagraph_capture_s=self.infos[0]["cudagraph_capture_s"],
                     load_s=max(i["load_s"] for i in self.infos))
 
     @property

@@ -7,8 +7,7 @@ Front end -> core, on a DEALER socket per core (frames: kind, payload):
   WAVE     a wave number: expert models' DP ranks step together while any has work
   SHUTDOWN nothing
 Core -> front end, on a PUSH socket: one EngineCoreOutputs per step (every request that
-gained tokens or finished), also sent alone as a heartbeat, a utility answer or a wave event.
-"""
+gained tokens or finished), also sent alone as a heartbeat, a utility answer or a wave event."""
 from __future__ import annotations
 
 import pickle
@@ -51,7 +50,6 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: str | int | None = None
     kv_transfer_params: dict | None = None
     error: str | None = None
-    num_cached_tokens: int = 0
     num_preemptions: int = 0
 
 
@@ -83,17 +81,13 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     wave_started: int | None = None  # this core began wave N (the others must join)
     wave_finished: int | None = None  # every core ended wave N together (DP rank 0 says so)
     failed: str | None = None  # the core is going down: why
-    ready: dict | None = None  # the start-up handshake: what the core holds (num_blocks, ...)
 
 
-_encoder = msgspec.msgpack.Encoder()
+encode = msgspec.msgpack.Encoder().encode
+decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
+decode_any = msgspec.msgpack.Decoder().decode
 _decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode
-_decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
 _decode_ids = msgspec.msgpack.Decoder(list[str]).decode
-_decode_any = msgspec.msgpack.Decoder().decode
-
-encode = _encoder.encode
-decode_outputs = _decode_outputs
 
 
 def decode_command(kind: bytes, payload: bytes):
@@ -101,7 +95,7 @@ def decode_command(kind: bytes, payload: bytes):
         return _decode_request(payload)
     if kind == ABORT:
         return _decode_ids(payload)
-    return _decode_any(payload)
+    return decode_any(payload)
 
 
 def pack_result(value) -> bytes:

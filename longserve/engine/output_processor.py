@@ -5,11 +5,11 @@ become text (incremental detokenization that never splits a character), stop str
 found (the request is then finished here and aborted in its core), and each request's
 reader gets either a delta per step (`RequestStream`: the server's SSE) or, when it asked
 for the end only, one `RequestOutput` (`LLM.generate`). A core that dies fails its requests
-with `EngineDeadError`.
-"""
+with `EngineDeadError`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -76,8 +76,7 @@ class RequestStream:
         for out in items:
             if isinstance(out, StreamOutput):
                 merged[out.index] = merged[out.index].merged(out) if out.index in merged else out
-        errors = [i for i in items if isinstance(i, BaseException)]
-        return list(merged.values()), (errors[0] if errors else None)
+        return list(merged.values()), next((i for i in items if isinstance(i, BaseException)), None)
 
     def __iter__(self):
         left = self.n
@@ -140,10 +139,6 @@ class OutputProcessor:
     @property
     def num_unfinished(self) -> int:
         return len(self._states)
-
-    def engine_of(self, request_id: str) -> int | None:
-        state = self._states.get(request_id)
-        return None if state is None else state.engine_index
 
     def add(self, request: EngineCoreRequest, sink, engine_index: int) -> None:
         stops = request.sampling_params.stop
@@ -230,7 +225,8 @@ class OutputProcessor:
         done = all(c.output is not None for c in state.choices)
         if done:
             del self._states[state.request.request_id]
-            self._count_finished(state, now)
+            if self.metrics is not None:
+                self.metrics.request_done(state.num_preemptions, now - state.request.arrival_time)
         if isinstance(state.sink, RequestStream):
             out = self._stream_output(state, choice, text[choice.text_sent:])
             out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
@@ -249,19 +245,19 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs if r.sampling_params.prompt_logprobs is not None
             else None)
 
-    def abort(self, request_id: str) -> list[str]:
+    def abort(self, request_id: str) -> tuple[int | None, list[str]]:
         """Ended by the front end (a client gone, a failed caller): the reader gets the end;
-        returns the core's ids of its choices."""
+        returns its core and the core's ids of its choices (none if it had ended)."""
         with self._lock:
             state = self._states.get(request_id)
             if state is None:
-                return []
+                return None, []
             now, ends = time.perf_counter(), []
             for cid, c in zip(state.request.choice_ids, state.choices):
                 if c.output is None:
                     ends.append(self._finish(state, c, EngineCoreOutput(cid, [], finish_reason="abort"), now))
         _deliver([e for e in ends if e[1] is not None])
-        return state.request.choice_ids
+        return state.engine_index, state.request.choice_ids
 
     def fail(self, error: EngineDeadError, engine_index: int | None = None) -> None:
         """Fail every request of one core (or of all cores)."""
@@ -287,10 +283,6 @@ class OutputProcessor:
             m.tokens(n_new, None if first or choice.last_time is None else (now - choice.last_time) / n_new)
         choice.last_time = now
 
-    def _count_finished(self, state: RequestState, now: float) -> None:
-        if self.metrics is not None:
-            self.metrics.request_done(state.num_preemptions, now - state.request.arrival_time)
-
 
 def _deliver(batch: list[tuple[object, object]]) -> None:
     """Hand outputs to their readers: one wake-up per event loop per call."""
@@ -301,10 +293,8 @@ def _deliver(batch: list[tuple[object, object]]) -> None:
         else:
             (sink.queue if isinstance(sink, RequestStream) else sink).put(item)
     for loop, items in by_loop.items():
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is reading
             loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the loop is closed: nobody is reading
-            pass
 
 
 def _put_all(items: list[tuple[RequestStream, object]]) -> None:

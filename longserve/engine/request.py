@@ -22,8 +22,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
-    prompt: str | None = None
-    arrival: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -38,10 +36,6 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
-    first_token_time: float | None = None
-    output_text: str = ""
-    detokenizer: object | None = None  # IncrementalDetokenizer, for stop strings
-    data_parallel_rank: int | None = None  # pinned DP rank (None: the balancer chooses)
     kv_transfer_params: dict | None = None  # in: from the client (a consumer loads); out: a producer's
     num_external_tokens: int = 0  # tokens an asynchronous load brings
     error: str | None = None

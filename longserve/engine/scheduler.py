@@ -29,8 +29,7 @@ and a preempted one is not readmitted while a step that included it is still in 
 Several choices (SamplingParams.n): choice 0 computes the prompt; when its last prompt chunk
 is planned the other choices fork from it onto its full prompt blocks (`_fork`), and from
 then on each is a request of its own (preempted, finished, aborted alone). A request is
-admitted only if max_num_seqs has room for all its choices.
-"""
+admitted only if max_num_seqs has room for all its choices."""
 from __future__ import annotations
 
 from collections import deque
@@ -86,9 +85,8 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         plan: list[tuple[Request, int]] = []
-        budget = self._schedule_running(plan, budget)
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         self._schedule_waiting(plan, budget)
         out = SchedulerOutput(finished_req_ids=self._finished_ids,
                               new_block_ids=self.kv.drain_newly_allocated())
@@ -104,8 +102,7 @@ class Scheduler:
         return out
 
     def _attach_connector_meta(self, out: SchedulerOutput) -> None:
-        meta = self.connector.build_connector_meta(out)
-        out.kv_connector_metadata = meta
+        out.kv_connector_metadata = meta = self.connector.build_connector_meta(out)
         if meta is not None and meta.filled_block_ids:  # the connector initialises these itself
             filled = set(meta.filled_block_ids)
             out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
@@ -211,23 +208,24 @@ class Scheduler:
                 computed_blocks, num_computed = self.kv.get_computed_blocks(req)
                 external, load_async = (0, False) if self.connector is None else \
                     self.connector.get_num_new_matched_tokens(req, num_computed)
-            if load_async:  # blocks now, tokens when the workers say the load is done
-                if not self._start_async_load(req, computed_blocks, num_computed, external):
-                    break
-                continue
-            req.num_computed_tokens = num_computed + external
-            n = self._chunk_size(req, budget)
+            # an asynchronous load: blocks now, tokens when the workers say the load is done
+            req.num_computed_tokens = num_computed + (0 if load_async else external)
+            n = external if load_async else self._chunk_size(req, budget)
             if n == 0 or not self.kv.allocate_slots(req, n, computed_blocks):
                 req.num_computed_tokens = 0
-                if n and not self.running:  # the whole pool is free and still too small
-                    self._finish_outgrown(req)
+                if n and not self.running and not load_async:
+                    self._finish_outgrown(req)  # the whole pool is free and still too small
                     continue
                 break
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, req.block_ids, external)
             self.kv.num_cached_tokens_hit += num_computed
-            self.kv.num_cached_tokens_queried += req.num_tokens
             self.waiting.popleft()
+            if load_async:
+                req.status, req.num_external_tokens = RequestStatus.WAITING_FOR_REMOTE_KVS, external
+                self.loading[req.request_id] = req
+                continue
+            self.kv.num_cached_tokens_queried += req.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan.append((req, n))
@@ -237,19 +235,6 @@ class Scheduler:
         req.finish_reason = "length"
         self.finish_request(req.request_id)
         self._finished_in_schedule.append(req)
-    def _start_async_load(self, req: Request, computed_blocks: list[int], num_computed: int,
-                          external: int) -> bool:
-        req.num_computed_tokens = num_computed
-        if not self.kv.allocate_slots(req, external, computed_blocks):
-            req.num_computed_tokens = 0
-            return False
-        self.connector.update_state_after_alloc(req, req.block_ids, external)
-        self.kv.num_cached_tokens_hit += num_computed
-        self.waiting.popleft()
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        req.num_external_tokens = external
-        self.loading[req.request_id] = req
-        return True
 
     def _describe(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -345,10 +330,8 @@ class Scheduler:
             if token in params.stop_token_ids:
                 req.finish_reason, req.stop_reason = "stop", token
                 return True
-        if params.max_tokens is not None and n_out >= params.max_tokens:
-            req.finish_reason = "length"
-            return True
-        if req.num_tokens >= self.config.max_model_len:
+        if ((params.max_tokens is not None and n_out >= params.max_tokens)
+                or req.num_tokens >= self.config.max_model_len):
             req.finish_reason = "length"
             return True
         return False

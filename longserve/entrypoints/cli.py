@@ -67,21 +67,16 @@ def kv_transfer_json(text: str) -> dict:
     return value
 
 
-ENGINE_KEYS = ("tokenizer", "dtype", "device", "max_model_len", "block_size", "max_num_seqs",
-               "max_num_batched_tokens", "gpu_memory_utilization", "cpu_kv_cache_gb",
-               "enable_prefix_caching", "enforce_eager", "seed", "load_format",
-               "tensor_parallel_size", "prefill_context_parallel_size",
-               "decode_context_parallel_size", "data_parallel_size", "cp_kv_cache_interleave_size",
-               "enable_sequence_parallel", "enable_expert_parallel", "enable_dbo",
-               "dbo_decode_token_threshold", "dbo_prefill_token_threshold", "kv_offload_gb",
-               "kv_transfer_config", "async_scheduling", "data_parallel_size_local",
-               "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port",
-               "kv_cache_dtype")
+def engine_kwargs(args) -> dict:
+    """build_engine_config's keywords: the value of every flag of add_engine_args but --model."""
+    flags = argparse.ArgumentParser(add_help=False)
+    add_engine_args(flags)
+    return {k: getattr(args, k) for k in vars(flags.parse_args([])) if k != "model"}
 
 
 def make_llm(args):
     from longserve import LLM
-    return LLM(args.model, **{k: getattr(args, k) for k in ENGINE_KEYS})
+    return LLM(args.model, **engine_kwargs(args))
 
 
 def sampling_from_args(args):
@@ -151,7 +146,7 @@ def cmd_bench(args) -> None:
 
 def engine_config(args):
     from longserve.llm import build_engine_config
-    return build_engine_config(args.model, **{k: getattr(args, k) for k in ENGINE_KEYS})
+    return build_engine_config(args.model, **engine_kwargs(args))
 
 
 def cmd_serve(args) -> None:

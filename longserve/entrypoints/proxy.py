@@ -5,8 +5,7 @@ Each completion / chat request goes to the prefill instance with one output toke
 request plus the `kv_transfer_params` the prefill instance returned, and its answer (a stream
 or one JSON body) is relayed as is. A client that disconnects closes the decode stream (the
 decode instance aborts); one gone before the prefill answers gets no decode at all. Blocks the
-prefill instance holds for a decode that never pulls go back at the end of their lease.
-"""
+prefill instance holds for a decode that never pulls go back at the end of their lease."""
 from __future__ import annotations
 
 import argparse

@@ -22,8 +22,7 @@ Worker side (every rank):
   start_load_kv(metadata)     before the forward pass (and before new blocks are zeroed)
   wait_for_save()             after the forward pass
   get_finished(finished_req_ids) -> (finished_sending, finished_recving)
-  get_block_ids_with_load_errors() -> set of block ids whose load failed
-"""
+  get_block_ids_with_load_errors() -> set of block ids whose load failed"""
 from __future__ import annotations
 
 from longserve.kv_transfer.utils import KVConnectorOutput
@@ -54,8 +53,6 @@ def build_scheduler_connector(config, kv_manager, bytes_per_block: int, store=No
     kvt = config.kv_transfer
     if kvt.kv_offload_bytes:
         from longserve.kv_transfer.offload import OffloadConnectorScheduler, num_host_blocks
-        if not kv_manager.enable_prefix_caching:
-            raise ValueError("kv_offload_gb needs prefix caching (drop --no-enable-prefix-caching)")
         conn = OffloadConnectorScheduler(num_host_blocks(kvt.kv_offload_bytes, bytes_per_block),
                                          kv_manager.tokens_per_block)
         kv_manager.on_evict = conn.on_evict

@@ -43,8 +43,7 @@ class OffloadConnectorScheduler:
         self.free_host = list(range(num_host_blocks))  # a heap: low ids first, so runs stay long
         self.pinned: set[int] = set()  # host blocks this step reads: not to be overwritten
         self.meta = OffloadMeta()
-        self.num_loaded_tokens = 0
-        self.num_saved_blocks = 0
+        self.num_loaded_tokens = self.num_saved_blocks = 0
 
     # ---- called by the KV manager ----------------------------------------------------
     def on_evict(self, block_id: int, block_hash: int) -> None:

@@ -15,10 +15,10 @@ Consumer (kv_role kv_consumer): a request with kv_transfer_params {"do_remote_pr
 prompt token is computed here: its logits give the first token). Each consumer rank pulls
 its pieces (topology.plan_kv_pieces) in a thread; any failure marks the request's blocks
 invalid, and the scheduler recomputes the prompt (or fails the request, by policy). After
-the load (or on a full local hit) the consumer writes the producer's release key.
-"""
+the load (or on a full local hit) the consumer writes the producer's release key."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -85,10 +85,9 @@ def validate_kv_transfer_params(config, p, prompt_token_ids: list[int]) -> None:
         raise ValueError(f"kv_transfer_params lacks {missing}")
     if p["prompt_hash"] != prompt_hash(prompt_token_ids):
         raise ValueError("kv_transfer_params were made for a different prompt")
-    remote = KVLayout(**p["remote_layout"])
-    model = config.model
+    remote, model = KVLayout(**p["remote_layout"]), config.model
     if (remote.num_kv_heads, p["num_layers"], p["head_dim"]) != \
-            (layout_of(config).num_kv_heads, model.num_layers, model.head_dim):
+            (model.num_kv_heads, model.num_layers, model.head_dim):
         raise ValueError("kv_transfer_params come from an instance of a different model shape")
     check_kv_dtype(layout_of(config), remote)
 
@@ -210,8 +209,7 @@ class P2pConnectorWorker:
     def __init__(self, config, ps, device: torch.device):
         kvt = config.kv_transfer
         self.config, self.kvt, self.device = config, kvt, device
-        self.rank = ps.model.rank_in_group
-        self.layout = layout_of(config)
+        self.rank, self.layout = ps.model.rank_in_group, layout_of(config)
         self.groups = PairGroups(device, kvt.kv_transfer_timeout_s)
         self.caches: list[torch.Tensor] = []  # as bytes (uint8), one per cache
         self.scales: list[torch.Tensor] = []  # FP8: [2, Hkv] scales of each cache, on the host
@@ -298,10 +296,8 @@ class P2pConnectorWorker:
     def close(self) -> None:
         self.stopping.set()
         if self.server is not None:
-            try:
+            with contextlib.suppress(Exception):  # the store is gone: the thread has ended
                 post_pull(self.store, self.kvt.engine_id, self.rank, {"stop": True})
-            except Exception:  # noqa: BLE001 - the store is gone: the thread has ended
-                pass
             self.server.join(timeout=self.kvt.kv_transfer_timeout_s + 5)
         self.groups.close()
 
@@ -353,9 +349,8 @@ class P2pConnectorWorker:
         group = self.groups.get(store, msg["pair"], 0)
         same_scales = self._same_scales(msg)
         h = self._take_reader(msg["req_id"]) if same_scales else None
-        word = GONE if h is None else HELD
-        status = torch.tensor([word if same_scales else SCALES_DIFFER], dtype=torch.int64,
-                              device=self.device)
+        word = HELD if h is not None else GONE if same_scales else SCALES_DIFFER
+        status = torch.tensor([word], dtype=torch.int64, device=self.device)
         wait_work(group.send([status], 1, 0), self.kvt.kv_transfer_timeout_s, self.device)
         if h is None:
             return
@@ -450,13 +445,12 @@ class P2pConnectorWorker:
             pair_id = self._pair_id(p["remote_engine_id"], remote_rank)
             # a pair's tags carry one pull at a time
             with self.pair_locks.setdefault(pair_id, threading.Lock()):
-                self._pull(store, p, remote_rank, mine, remote, rng, times)
+                self._pull(store, p, remote_rank, pair_id, mine, remote, rng, times)
 
-    def _pull(self, store, p: dict, remote_rank: int, pieces: list, remote: KVLayout,
+    def _pull(self, store, p: dict, remote_rank: int, pair_id: str, pieces: list, remote: KVLayout,
               rng: PieceRange, times: dict) -> None:
         """times: seconds in group set-up, control (post + the producer's status) and the
         payloads (receive + unpack), added up over the producer ranks."""
-        pair_id = self._pair_id(p["remote_engine_id"], remote_rank)
         pair = f"{pair_id}/{self.epochs[pair_id]}"
         chunk = max(1, len(self.caches) // 4)
         t0 = time.perf_counter()

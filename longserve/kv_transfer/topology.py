@@ -9,8 +9,7 @@ One instance's KV placement (docs/architecture.md "Rank layout"):
 - KV heads: the tp/dcp head groups each own num_kv_heads/(tp/dcp) heads (one replicated
   head when there are fewer heads than groups), as models/layers.py kv_head_range.
 So a local rank needs, for each of its heads h and each position p it stores, the remote
-rank whose CP rank owns p and whose head group holds h: a list of `KVPiece`s.
-"""
+rank whose CP rank owns p and whose head group holds h: a list of `KVPiece`s."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -199,12 +198,9 @@ class TpKVTopology:
         """The remote model ranks this rank reads from (TP only: tp_rank // tp_ratio when the
         local TP is larger, else |tp_ratio| consecutive ranks; one copy of a replicated head;
         with CP, every remote CP rank whose positions meet ours)."""
-        if remote_engine_id is None:
-            remote = KVLayout(self.total_num_kv_heads, self.block_size, remote_tp_size)
-        else:
-            remote = self.remote_layout[remote_engine_id]
-        pieces = plan_kv_pieces(self.layout, remote, self.rank)
-        return sorted({p.remote_rank for p in pieces})
+        remote = (KVLayout(self.total_num_kv_heads, self.block_size, remote_tp_size)
+                  if remote_engine_id is None else self.remote_layout[remote_engine_id])
+        return sorted({p.remote_rank for p in plan_kv_pieces(self.layout, remote, self.rank)})
 
     def tp_ratio_from_engine_id(self, remote_engine_id: EngineId) -> int:
         return self.tp_ratio(self.remote_tp_size[remote_engine_id])

@@ -9,8 +9,7 @@ and a slot is block * B + offset either way). A piece's payload is one tensor:
   the piece, in its `cache_layout` ([L, 2, m, B, h, D] NHD or [L, 2, m, h, B, D] HND), m
   padded to whole receiver blocks. The receiver lands the bytes as its own blocks and fixes
   them with kv_postprocess_{layout,blksize_and_layout}_on_receive.
-- "tokens" wire (any other pair): the rows of the piece's positions, [L, 2, n, h, D].
-"""
+- "tokens" wire (any other pair): the rows of the piece's positions, [L, 2, n, h, D]."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ def slots_of(layout: KVLayout, cp_rank: int, block_ids, positions: np.ndarray) -
                                 layout.block_size, layout.cp_size, cp_rank, layout.interleave)
 
 
-def uses_block_wire(piece: KVPiece, receiver: KVLayout, sender: KVLayout, rng: PieceRange) -> bool:
+def uses_block_wire(receiver: KVLayout, sender: KVLayout, rng: PieceRange) -> bool:
     return (receiver.cp_size == sender.cp_size and receiver.interleave == sender.interleave
             and receiver.block_size % sender.block_size == 0
             and rng.start % receiver.tokens_per_block == 0)
@@ -63,7 +62,7 @@ def pack_piece(kv_caches: list[torch.Tensor], piece: KVPiece, sender: KVLayout,
     """The payload the sender (remote_rank of the piece) sends for it."""
     heads = slice(piece.remote_head, piece.remote_head + piece.num_heads)
     dev = kv_caches[0].device
-    if uses_block_wire(piece, receiver, sender, rng):
+    if uses_block_wire(receiver, sender, rng):
         idx, _ = _block_spans(receiver, sender, rng)
         ids = torch.tensor([rng.sender_blocks[i] if i >= 0 else 0 for i in idx], dtype=torch.long, device=dev)
         views = [_block_view(c, sender.block_size)[:, :, :, heads] for c in kv_caches]
@@ -90,7 +89,7 @@ def payload_shape(piece: KVPiece, sender: KVLayout, receiver: KVLayout, rng: Pie
                   num_layers: int, head_dim: int) -> tuple[int, ...]:
     """What the receiver allocates to receive the piece."""
     h = piece.num_heads
-    if uses_block_wire(piece, receiver, sender, rng):
+    if uses_block_wire(receiver, sender, rng):
         m = len(_block_spans(receiver, sender, rng)[0])
         block = (h, sender.block_size) if sender.cache_layout == HND else (sender.block_size, h)
         return (num_layers, 2, m, *block, head_dim)
@@ -103,7 +102,7 @@ def unpack_piece(kv_caches: list[torch.Tensor], piece: KVPiece, sender: KVLayout
     """Write a received payload into the receiver's caches (local_rank of the piece)."""
     heads = slice(piece.local_head, piece.local_head + piece.num_heads)
     payload = payload.to(kv_caches[0].device)
-    if uses_block_wire(piece, receiver, sender, rng):
+    if uses_block_wire(receiver, sender, rng):
         _, local_idx = _block_spans(receiver, sender, rng)
         ids = torch.tensor([rng.receiver_blocks[i] for i in local_idx], dtype=torch.long,
                            device=kv_caches[0].device)

@@ -11,8 +11,7 @@ A pull: the consumer rank pushes a message onto the producer rank's queue in the
 (`pullq/<engine>/<rank>`; the producer's serving thread blocks on the queue, so it wakes at
 once), then receives over the pair's group a status word (1: the producer holds the request,
 0: it no longer does) and, after 1, the pieces' payloads with tags 1, 2, ... One store round
-trip per pull; no polling.
-"""
+trip per pull; no polling."""
 from __future__ import annotations
 
 import datetime
@@ -32,8 +31,7 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=td(timeout_s), wait_for_workers=False)
 
 
-def make_pair_group(store: dist.Store, key: str, rank: int, device: torch.device, timeout_s: float,
-                    warm: bool = True):
+def make_pair_group(store: dist.Store, key: str, rank: int, device: torch.device, timeout_s: float):
     prefix = dist.PrefixStore(f"pair/{key}", store)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
@@ -41,9 +39,9 @@ def make_pair_group(store: dist.Store, key: str, rank: int, device: torch.device
         group = dist.ProcessGroupNCCL(prefix, rank, 2, opts)
     else:
         group = dist.ProcessGroupGloo(prefix, rank, 2, td(timeout_s))
-    if warm:  # NCCL builds the pair's communicator here, not inside the first pull
-        t = torch.zeros(1, device=device)
-        wait_work(group.send([t], 1, 0) if rank == 0 else group.recv([t], 0, 0), timeout_s, device)
+    # warm: NCCL builds the pair's communicator here, not inside the first pull
+    t = torch.zeros(1, device=device)
+    wait_work(group.send([t], 1, 0) if rank == 0 else group.recv([t], 0, 0), timeout_s, device)
     return group
 
 
@@ -64,24 +62,22 @@ def wait_work(work, timeout_s: float, device: torch.device) -> None:
 
 class PairGroups:
     """This rank's pair groups, keyed by pair name (and epoch): built once, reused by every
-    pull of the pair. `num_created` / `setup_s` say how many were built and how long it took."""
+    pull of the pair. `num_created` says how many were built."""
 
     def __init__(self, device: torch.device, timeout_s: float):
         self.device, self.timeout_s = device, timeout_s
         self.groups: dict[str, object] = {}
-        self.num_created, self.setup_s = 0, 0.0
+        self.num_created = 0
         self._lock = threading.Lock()
 
     def get(self, store: dist.Store, key: str, rank: int):
         with self._lock:
             group = self.groups.get(key)
         if group is None:
-            t0 = time.perf_counter()
             group = make_pair_group(store, key, rank, self.device, self.timeout_s)
             with self._lock:
                 self.groups[key] = group
                 self.num_created += 1
-                self.setup_s += time.perf_counter() - t0
         return group
 
     def close(self) -> None:

@@ -2,8 +2,7 @@
 
 Cache shapes here: one layer's cache is [2, num_blocks, block_size, num_kv_heads, head_dim]
 (K and V outermost, NHD blocks). The receive-side fix-ups work on one of K or V, i.e. a
-[num_blocks, ...] tensor whose block rows hold the bytes as they arrived.
-"""
+[num_blocks, ...] tensor whose block rows hold the bytes as they arrived."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -21,17 +20,13 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)  # its loads of these requests are over
     invalid_block_ids: set[int] = field(default_factory=set)  # blocks whose load failed
 
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
-
 
 class KVOutputAggregator:
     """Unites the workers' connector outputs into the one the scheduler reads.
 
     A request is finished sending (receiving) only once every one of the
     `expected_finished_count` workers that hold part of its KV (TP x PCP ranks; DCP ranks
-    are TP ranks) has said so; counts persist across steps. Invalid block ids are united.
-    """
+    are TP ranks) has said so; counts persist across steps. Invalid block ids are united."""
 
     def __init__(self, expected_finished_count: int):
         if expected_finished_count < 1:

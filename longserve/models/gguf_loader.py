@@ -10,8 +10,7 @@ under its HF name, so the ordinary loader (loader.py) slices it for this TP rank
 llama.cpp's converter permutes the rows of Llama's q_proj / k_proj so that each head's
 rotary pairs are interleaved (GPT-J style, (x0, x1), (x2, x3), ...). Our rotary embedding
 is Neox style, as in HF (pairs (x_i, x_{i+D/2})), so the permutation is undone here and
-the weights are HF's own again.
-"""
+the weights are HF's own again."""
 from __future__ import annotations
 
 import functools
@@ -137,8 +136,7 @@ def hf_tensor_name(name: str, path: str) -> str:
 def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k permutation: within each head, rows (0, D/2, 1, D/2+1, ...) back
     to (0, 1, ..., D-1). Its converter does reshape(n, 2, D/2).swapaxes(1, 2)."""
-    rest = w.shape[1:]
-    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def gguf_tensors(path: str, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,8 +2,7 @@
 taking its slices.
 
 `load_format="dummy"` fills the parameters with seeded random values instead (benchmarks
-at real shapes, where no weights can be downloaded).
-"""
+at real shapes, where no weights can be downloaded)."""
 from __future__ import annotations
 
 import glob
@@ -77,7 +76,11 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[tuple[int, s
             bar.update()
     for file in [] if is_gguf(cfg.path) else safetensors_files(cfg.path):
         try:
-            load_file(params, file, cfg, loaded, shapes, kv_scales, bar)
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    load_named(params, name, tensor, file, cfg, loaded, shapes, kv_scales)
+                    bar.update()
         except ValueError:
             raise  # ours: names the tensor and the file
         except Exception as e:  # a truncated or corrupt file (SafetensorError, OSError, ...)
@@ -90,14 +93,6 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[tuple[int, s
         raise ValueError(f"weights missing from {cfg.path!r}: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     return kv_scales
-
-
-def load_file(params: dict, file: str, cfg: ModelConfig, loaded: set, shapes: dict,
-              kv_scales: dict, bar) -> None:
-    with safe_open(file, framework="pt") as f:
-        for name in f.keys():
-            load_named(params, name, f.get_tensor(name), file, cfg, loaded, shapes, kv_scales)
-            bar.update()
 
 
 def progress_bar(total: int):
@@ -116,17 +111,13 @@ def load_named(params: dict, name: str, tensor, file: str, cfg: ModelConfig, loa
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return  # some tied checkpoints still carry a copy
     scale_key = checkpoint_scale_key(name)
-    if scale_key is not None:
-        check_kv_scale(name, tensor, file, cfg)
-        kv_scales[scale_key] = tensor.float()
-        return
-    load_one(params, name, tensor, file, loaded, shapes)
-
-
-def check_kv_scale(name: str, tensor: torch.Tensor, file: str, cfg: ModelConfig) -> None:
-    if tensor.numel() not in (1, cfg.num_kv_heads) or not bool((tensor.float() > 0).all()):
+    if scale_key is None:
+        load_one(params, name, tensor, file, loaded, shapes)
+    elif tensor.numel() not in (1, cfg.num_kv_heads) or not bool((tensor.float() > 0).all()):
         raise ValueError(f"KV cache scale {name!r} in {file} must be one positive number or one "
                          f"per KV head ({cfg.num_kv_heads}), got shape {tuple(tensor.shape)}")
+    else:
+        kv_scales[scale_key] = tensor.float()
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -204,8 +195,7 @@ def expected_shards(param_name: str, cfg: ModelConfig | None = None) -> list:
     if param_name.endswith((".mlp.w13", ".mlp.w2")):  # one or two per expert
         kinds = ("gate", "up") if param_name.endswith("w13") else ("down",)
         return [(k, e) for e in range(cfg.num_experts) for k in kinds]
-    shards = [shard for _, ours, shard in STACKED_PARAMS if ours in param_name]
-    return shards or [None]
+    return [shard for _, ours, shard in STACKED_PARAMS if ours in param_name] or [None]
 
 
 @torch.no_grad()

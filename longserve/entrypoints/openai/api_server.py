@@ -6,8 +6,7 @@ until then (and after a fatal engine error) /health and /v1/* answer 503. Shutdo
 SIGTERM): uvicorn stops accepting and lets in-flight requests drain for --shutdown-timeout
 seconds, then the core aborts what is left and stops the workers. With several API servers
 (entrypoints/openai/api_servers.py) this is one of them; `siblings` says whether the others
-are up.
-"""
+are up."""
 from __future__ import annotations
 
 import asyncio
@@ -224,15 +223,13 @@ def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host
     """Serve until Ctrl-C / SIGTERM (on `sock` if given: a socket bound to the port);
     returns the exit status (1 if the engine failed to start)."""
     import uvicorn
-    holder: dict = {}
 
     def stop():
-        holder["server"].should_exit = True
+        server.should_exit = True
 
     app = build_app(load_core, served_names, api_key, chat_template, on_load_error=stop,
                     log_requests=log_requests, siblings=siblings)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout)
-    holder["server"] = uvicorn.Server(config)
-    holder["server"].run(sockets=None if sock is None else [sock])
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=shutdown_timeout))
+    server.run(sockets=None if sock is None else [sock])
     return 1 if app.state.longserve.load_error else 0

@@ -10,8 +10,7 @@ every core's reported load) on a GIL of its own; a core sends a request's output
 API server that sent it. Metrics: prometheus_client's multiprocess mode in a temporary folder,
 so a scrape of any API server sums them all. /health is 200 only once every API server is up
 (each writes `ready-<k>` there) and none died (pidfds), nor any core. SIGTERM / Ctrl-C: the API
-servers drain (uvicorn), then the cores stop; the launcher exits when all have.
-"""
+servers drain (uvicorn), then the cores stop; the launcher exits when all have."""
 from __future__ import annotations
 
 import logging

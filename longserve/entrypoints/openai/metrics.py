@@ -4,8 +4,7 @@
 outputs arrive (prometheus_client metrics; with several API-server processes they live in
 PROMETHEUS_MULTIPROC_DIR and a scrape of any process sums them all). `EngineCollector`: what
 the engine cores report (running, waiting, KV usage, prefix-cache totals), read at scrape time;
-every API server hears every core, so these are not summed over processes.
-"""
+every API server hears every core, so these are not summed over processes."""
 from __future__ import annotations
 
 import os
