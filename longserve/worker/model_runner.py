@@ -19,6 +19,7 @@ from longserve.host_to_device import to_device
 from longserve.kv_transfer.base import build_worker_connector, connector_output
 from longserve.kv_transfer.utils import KVConnectorOutput
 from longserve.models.loader import build_model
+from longserve.models.moe import FusedMoE
 from longserve.sampling_params import SamplingParams
 from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker.block_table import BlockIdList
@@ -377,6 +378,9 @@ class ModelRunner:
         if os.environ.get(PIECEWISE_MODE, "graphs") == "graphs":
             self._capture_piecewise(pool)
         self._compile_attention_variants()
+        moe = next((m for m in self.model.modules() if isinstance(m, FusedMoE)), None)
+        if moe is not None:  # the expert kernels' variants too
+            moe.compile_kernels(self.config.dtype)
 
     def _compile_attention_variants(self) -> None:
         """The paged kernel's tile variants that eager and mixed steps may pick (not only the
