@@ -92,9 +92,11 @@ def load_run(llm, prompts, args, kv_cache_dtype: str) -> float:
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.decode, ignore_eos=True), use_tqdm=False)
     dt = time.perf_counter() - t
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = max(o.metrics["time_to_first_token"] for o in outs)  # every prompt prefilled by then
     print(f"load: {torch.cuda.get_device_name()}, {args.model}, kv_cache_dtype={kv_cache_dtype}, "
-          f"{args.batch} x ({args.tokens} + {args.decode}): {dt:.1f} s, {toks / dt:.1f} output tok/s, "
-          f"pool {llm.config.cache.num_blocks} blocks", flush=True)
+          f"{args.batch} x ({args.tokens} + {args.decode}): {dt:.1f} s, {toks / dt:.1f} output tok/s; "
+          f"last first token at {ttft:.1f} s, "
+          f"{sum(o.metrics['num_preemptions'] for o in outs)} preemptions", flush=True)
     llm.shutdown()
     del llm
     gc.collect()
