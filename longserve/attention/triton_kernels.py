@@ -121,11 +121,9 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, PAD_PER_REQ: tl
 
 @triton.jit
 def _e4m3_to_f16(x):
-    """e4m3 -> float16 in an asm block the compiler may not move (not pure). A plain cast is
-    moved past the tile's trip through shared memory into the dot's layout; for V (read
-    transposed there) that trip then loads one byte per instruction, 128 a thread for a
-    128 x 128 tile, and bounded the FP8 decode kernel (same time on H100 and H200). Here V
-    converts first and takes bf16's path (16-byte loads, ldmatrix.trans). GPU only."""
+    """e4m3 -> float16 in asm the compiler may not move (not pure): a cast is moved past V's
+    transposing trip through shared memory, which then loads a byte per instruction (it bound
+    the FP8 kernel). V converts first and takes bf16's path (ldmatrix.trans). GPU only."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
@@ -362,9 +360,8 @@ SPLIT_DECODE = (64, 4, 2)
 # 32+ query heads on a KV head (tp=2 x dcp=2 of a one-KV-head model): 2.17 -> 2.6 TB/s at
 # 64 x 16K a shard
 SPLIT_DECODE_WIDE = (128, 4, 2)
-# FP8 with V converted before its shared-memory trip (_e4m3_to_f16): 92 registers, so five
-# programs an SM and 128K's 512 programs in one wave; 130.5 -> 113.2 us at 128K on H100
-# (2.06 -> 2.37 TB/s of FP8 KV). 128-token tiles need 168 registers: three an SM, 1.3 waves.
+# FP8 (V converted first, _e4m3_to_f16): 92 registers, five programs an SM, 128K in one wave:
+# 130.5 -> 113.2 us on H100 (2.37 TB/s of FP8 KV); 128-token tiles: 168, three an SM, 1.3 waves
 SPLIT_DECODE_FP8 = (64, 4, 2)
 # FP8 cache with bf16 queries: dot in fp16. e4m3 -> fp16 is one cvt per two values on sm_90,
 # -> bf16 goes through fp16 and fp32 (three more per pair), on every K and V element read;
@@ -503,9 +500,8 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
 # merge of two partial attention states (e.g. prefix over the cache + causal suffix)
 # --------------------------------------------------------------------------------------
 
-# the LSE strides follow a chunk's length (SDPA's LSE is [H, T]: stride T, 1 when T = 1) and
-# its slices' alignment: unspecialized, so a chunk length compiles no variant mid-run (one did,
-# 152 ms into a server's burst, H200)
+# the LSE strides and alignment follow a chunk's length (SDPA's LSE is [H, T]): unspecialized,
+# so no chunk compiles a variant mid-run (one did, 152 ms into a server's burst, H200)
 @triton.jit(do_not_specialize=["stride_plt", "stride_plh", "stride_slt", "stride_slh",
                                "stride_olt", "stride_olh"],
             do_not_specialize_on_alignment=["out_lse_ptr", "p_lse_ptr", "s_lse_ptr"])

@@ -201,9 +201,8 @@ class FusedMoE(nn.Module):
         return pairs.view(num_tokens, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
 
     def compile_kernels(self, dtype: torch.dtype) -> None:
-        """Run the fused path once at each block config and align path a step can pick (1 to
-        4,096 pairs), so they compile before serving: a burst's first prefill chunks compiled
-        four of them mid-run (1.4 s, H200). Local only: no collective."""
+        """The fused path once at each block config and align path (8-4,096 pairs): compiled
+        before serving, not by the first prefill chunks (1.4 s, H200). No collective."""
         k, dev = self.top_k, self.w13.device
         for num_pairs in (k, 256, 1024, 2048, 4096):
             x = torch.zeros(num_pairs // k, self.w2.shape[1], dtype=dtype, device=dev)
