@@ -98,6 +98,8 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         have = len(request.block_ids) + len(computed_blocks)
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
+        if need <= 0 and not computed_blocks:  # most decode steps: the last block has room
+            return True
         reusable_free = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
         if need > self.num_free_blocks - reusable_free:
             return False
