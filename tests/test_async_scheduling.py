@@ -5,8 +5,11 @@ sampled ids are read, its decodes carry PLACEHOLDER ids that the worker fills in
 last step's samples; only the overlap itself is missing.
 """
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from longserve import LLM, SamplingParams
+from longserve.engine.request import Request
 from longserve.engine import executor as executor_mod
 from longserve.llm import build_engine_config
 from longserve.step_plan import PLACEHOLDER
@@ -158,3 +161,17 @@ def test_refused_where_a_step_must_be_read_before_the_next():
         build_engine_config(MODEL, device="cpu", kv_offload_gb=0.01, async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
         build_engine_config(MODEL, device="cpu", async_scheduling="yes")
+
+
+@given(prompt=st.integers(1, 20), outputs=st.integers(0, 20), placeholders=st.integers(0, 2),
+       data=st.data())
+def test_scheduled_token_ids_are_the_tokens_then_placeholders(prompt, outputs, placeholders, data):
+    """A plan's token ids [start, end): the known tokens, PLACEHOLDER past them (the ones
+    sampled on the device and not read back), for every window of the sequence."""
+    req = Request("r", list(range(prompt)), SamplingParams(), [])
+    req.output_token_ids = list(range(100, 100 + outputs))
+    req.num_output_placeholders = placeholders
+    full = req.all_token_ids + [PLACEHOLDER] * placeholders
+    start = data.draw(st.integers(0, len(full)))
+    end = data.draw(st.integers(start, len(full)))
+    assert req.scheduled_token_ids(start, end) == full[start:end]

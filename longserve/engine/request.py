@@ -78,9 +78,11 @@ class Request:
     def scheduled_token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) for the plan: PLACEHOLDER where the token is still on the device."""
         known = self.num_tokens
+        if start >= known:  # all on the device: an asynchronous decode step's usual case
+            return [PLACEHOLDER] * (end - start)
         if end <= known:
             return self.token_ids_slice(start, end)
-        return self.token_ids_slice(min(start, known), known) + [PLACEHOLDER] * (end - max(start, known))
+        return self.token_ids_slice(start, known) + [PLACEHOLDER] * (end - known)
 
     @property
     def num_prompt_tokens(self) -> int:
