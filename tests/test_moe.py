@@ -154,11 +154,11 @@ def check_fused_kernel() -> None:
 @example(num_local=6, first=3, num_tokens=1, k=8, block_m=16, one_expert=False, seed=0)
 @example(num_local=128, first=0, num_tokens=40, k=8, block_m=16, one_expert=True, seed=0)
 def check_align_kernel(num_local, first, num_tokens, k, block_m, one_expert, seed):
-    """The one-program align kernel gives align_pairs' tensors exactly, for ids anywhere in
+    """The one-program align (up to 1,024 pairs) gives ref_align's tensors exactly, for ids in
     [-1, first + 2 * num_local + 2): id -1, other ranks' experts below and above ours."""
-    from longserve.models.fused_moe_kernel import align_pairs_fused
+    from longserve.models.fused_moe_kernel import align_pairs
     ids = random_ids(num_local, first, num_tokens, k, one_expert, seed)
-    got = align_pairs_fused(ids, first, num_local, block_m)
+    got = align_pairs(ids, first, num_local, block_m)
     ref = ref_align(local_experts(ids, first, num_local), num_local, block_m)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
@@ -182,12 +182,12 @@ def check_place_kernel(num_local, first, num_tokens, k, block_m, one_expert, see
     and, within each expert's run, the same pairs as the stable one, in any order."""
     from longserve.models import fused_moe_kernel as fk
     ids = random_ids(num_local, first, num_tokens, k, one_expert, seed)
-    chunk = fk.PLACE_CHUNK
-    fk.PLACE_CHUNK = 32  # several programs at these sizes
+    saved = fk.PLACE_CHUNK, fk.ALIGN_KERNEL_MAX_PAIRS
+    fk.PLACE_CHUNK, fk.ALIGN_KERNEL_MAX_PAIRS = 32, 0  # several place programs at these sizes
     try:
-        slot_pair, block_expert = fk.place_pairs(ids, first, num_local, block_m)
+        slot_pair, block_expert = fk.align_pairs(ids, first, num_local, block_m)
     finally:
-        fk.PLACE_CHUNK = chunk
+        fk.PLACE_CHUNK, fk.ALIGN_KERNEL_MAX_PAIRS = saved
     ref_pair, ref_expert = ref_align(local_experts(ids, first, num_local), num_local, block_m)
     assert slot_pair.dtype == ref_pair.dtype and torch.equal(block_expert, ref_expert)
     for b in range(block_expert.numel()):  # each block holds its expert's pairs, padding last
@@ -213,7 +213,7 @@ def check_moe_layer_fused_path() -> None:
     ids[0, 0] = -1  # a pair for no one
     assert (local_experts(ids, 6, 6) < 6).any() and (local_experts(ids, 6, 6) == 6).any()
     pairs = moe.grouped_experts(x, local_experts(ids, 6, 6), weights.flatten(), 3)
-    for max_pairs in (0, fk.ALIGN_KERNEL_MAX_PAIRS):  # place_pairs, then the one program
+    for max_pairs in (0, fk.ALIGN_KERNEL_MAX_PAIRS):  # the place kernels, then the one program
         fk.ALIGN_KERNEL_MAX_PAIRS = max_pairs
         got = moe.experts(x, weights, ids)
         torch.testing.assert_close(got, pairs.view(5, 3, -1).sum(1), atol=1e-5, rtol=1e-5)

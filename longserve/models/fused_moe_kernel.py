@@ -1,7 +1,7 @@
 """A fused mixture-of-experts kernel: both expert GEMMs over the step's (token, expert) pairs.
 
 The pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M
-(`align_pairs_fused`: one program for decode-sized steps; above, a program per chunk of pairs
+(`align_pairs`: one program for decode-sized steps; above, a program per chunk of pairs
 that takes places by atomics), so every block of
 BLOCK_M sorted slots holds the pairs of one expert, or none (blocks past the used ones exit at
 once). One kernel, launched twice:
@@ -49,7 +49,7 @@ def _one_hot(ids_ptr, start, first, num_local, num_pairs, CHUNK: tl.constexpr,
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, first, num_local, num_pairs,
                   num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BINS: tl.constexpr):
-    """align_pairs_fused in one program, no atomics: count each expert's pairs, lay the padded runs
+    """align_pairs in one program, no atomics: count each expert's pairs, lay the padded runs
     end to end, then put each pair at its run's start + its rank among its expert's pairs."""
     counts = tl.zeros([E_BINS], tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -75,22 +75,6 @@ def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, first, num_local, nu
         pairs = start + tl.arange(0, CHUNK)
         tl.store(slot_pair_ptr + slot, pairs.to(tl.int64), mask=tl.sum(hot, 1) > 0)
         seen += tl.sum(hot, 0)
-
-
-def align_pairs_fused(ids: torch.Tensor, first: int, num_local: int, block_m: int):
-    """ids [...] global expert ids (this rank holds [first, first + num_local)) -> slot_pair [S]
-    (the pair in each sorted slot, num_pairs for padding) and block_expert [S / block_m] (-1:
-    unused), in one launch. S covers the worst case, P + num_local * (block_m - 1), so it
-    depends on the pair count P alone; pairs keep their order within an expert's run."""
-    ids = ids.reshape(-1).contiguous()
-    num_pairs = ids.numel()
-    num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m
-    slot_pair = ids.new_empty(num_slots)
-    block_expert = ids.new_empty(num_slots // block_m)
-    _align_kernel[(1,)](ids, slot_pair, block_expert, first, num_local, num_pairs,
-                        block_expert.numel(), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK,
-                        E_BINS=triton.next_power_of_2(num_local))
-    return slot_pair, block_expert
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -129,15 +113,21 @@ def _place_kernel(ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, first, n
     tl.store(slot_pair_ptr + slots, num_pairs, mask=pad & (blocks < num_blocks)[:, None])
 
 
-def place_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int):
-    """align_pairs_fused's slots for any number of pairs: a count launch, then a place launch
-    (a program per PLACE_CHUNK pairs); within an expert's run the pairs come in any order."""
+def align_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int):
+    """ids [...] global expert ids (this rank holds [first, first + num_local)) -> slot_pair [S]
+    (the pair in each sorted slot, num_pairs for padding) and block_expert [S / block_m] (-1:
+    unused). S covers the worst case, P + num_local * (block_m - 1): it depends on P alone.
+    Up to ALIGN_KERNEL_MAX_PAIRS pairs one program (pairs keep their order in a run); above, a
+    count launch and a place launch of a program per PLACE_CHUNK pairs (any order in a run)."""
     ids = ids.reshape(-1).contiguous()
-    num_pairs = ids.numel()
+    num_pairs, e_bins = ids.numel(), triton.next_power_of_2(num_local)
     num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m
     slot_pair = ids.new_empty(num_slots)
     block_expert = ids.new_empty(num_slots // block_m)
-    e_bins = triton.next_power_of_2(num_local)
+    if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
+        _align_kernel[(1,)](ids, slot_pair, block_expert, first, num_local, num_pairs,
+                            block_expert.numel(), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, E_BINS=e_bins)
+        return slot_pair, block_expert
     counts = torch.zeros(2, e_bins, dtype=torch.int32, device=ids.device)  # counts, cursors
     _count_kernel[(triton.cdiv(num_pairs, PLACE_CHUNK),)](ids, counts, first, num_local,
                                                          num_pairs, CHUNK=PLACE_CHUNK)
@@ -193,8 +183,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     (num_tokens, top_k), (num_local, hidden, width) = ids.shape, w2.shape
     num_pairs = num_tokens * top_k
     bm, bn, bk, warps, stages = block_config(num_pairs)
-    align = align_pairs_fused if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else place_pairs
-    slot_pair, block_expert = align(ids, first, num_local, bm)
+    slot_pair, block_expert = align_pairs(ids, first, num_local, bm)
     weights = weights.flatten().float()  # no copy for select_experts' [T, k] float32
     h = x.new_empty(slot_pair.numel(), width)
     out = x.new_zeros(num_pairs, hidden)
