@@ -97,14 +97,11 @@ def load_run(llm, prompts, args, kv_cache_dtype: str) -> float:
           f"{args.batch} x ({args.tokens} + {args.decode}): {dt:.1f} s, {toks / dt:.1f} output tok/s; "
           f"last first token at {ttft:.1f} s, "
           f"{sum(o.metrics['num_preemptions'] for o in outs)} preemptions", flush=True)
-    llm.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
     return toks / dt
 
 
 def run(args, kv_cache_dtype: str) -> float:
+    """One engine with this KV dtype: --load's output tok/s, else the median decode step (ms)."""
     s = args.tokens
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
               max_model_len=s + args.decode + 64, max_num_batched_tokens=args.chunk,
@@ -115,8 +112,17 @@ def run(args, kv_cache_dtype: str) -> float:
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, min(128000, cfg.vocab_size), s).tolist()}
                for _ in range(args.batch)]
-    if args.load:
-        return load_run(llm, prompts, args, kv_cache_dtype)
+    result = (load_run if args.load else decode_run)(llm, prompts, args, kv_cache_dtype)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()  # the next run (another KV dtype) gets the whole device
+    return result
+
+
+def decode_run(llm, prompts, args, kv_cache_dtype: str) -> float:
+    """Prefill, then the decode steps where every request decodes: the median step (ms)."""
+    s, cfg = args.tokens, llm.config.model
     with llm.engine.client.paused() as core:  # this thread steps the engine core
         weight_bytes = sum(p.numel() * p.element_size()  # rank 0's share of the weights
                            for p in core.executor.driver.runner.model.parameters())
@@ -143,10 +149,6 @@ def run(args, kv_cache_dtype: str) -> float:
           f"{args.bw / 1e12:.1f} TB/s): {step_ms / floor_ms:.2f}x")
     print(f"KV of the prompt: {kv_bytes / 2**30:.1f} GiB in all, {rank_kv / 2**30:.1f} GiB per rank; "
           f"one GPU has {gpu_mem / 2**30:.0f} GiB; the pool holds {pool_tokens} tokens")
-    llm.shutdown()
-    del llm, core, reqs
-    gc.collect()
-    torch.cuda.empty_cache()  # the next run (another KV dtype) gets the whole device
     return step_ms
 
 
