@@ -123,7 +123,8 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, PAD_PER_REQ: tl
 def _e4m3_to_f16(x):
     """e4m3 -> float16 in asm the compiler may not move (not pure): a cast is moved past V's
     transposing trip through shared memory, which then loads a byte per instruction (it bound
-    the FP8 kernel). V converts first and takes bf16's path (ldmatrix.trans). GPU only."""
+    the FP8 kernel). V converts first and takes bf16's path (ldmatrix.trans). GPU only: an
+    e4m3 cache compiles on sm_89+ alone (Triton's fp8e4nv), which all have this cvt."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
@@ -313,12 +314,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def _has_e4m3_cvt(device: torch.device) -> bool:
-    """sm_89+ converts e4m3 pairs in one instruction (_e4m3_to_f16's asm); the interpreter too."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.device) -> int:
     """Enough splits for ~4 programs per SM (batch 1 at 128K: 64 splits of 8 KV heads read
     2.8 TB/s on H100, 2 per SM 2.65), but >= 256 tokens a split (the block table's width
@@ -467,8 +462,7 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
         DOT_UPCAST=not on_gpu or os.environ.get("TRITON_INTERPRET") == "1",
         KV_FP8=kv_scale is not None, num_warps=num_warps, num_stages=num_stages,
-        DOT_F16=(FP8_DOT_F16 and kv_scale is not None and q.dtype == torch.bfloat16
-                 and _has_e4m3_cvt(q.device)),
+        DOT_F16=FP8_DOT_F16 and kv_scale is not None and q.dtype == torch.bfloat16,
     )
     if num_kv_splits > 1:
         _merge_kv_splits(o_buf, l_buf, out, lse)
