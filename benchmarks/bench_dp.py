@@ -70,6 +70,7 @@ def run_one(path: str, args, n: int, **layout) -> dict:
     llm.generate(prompts(vocab, n, args.input_len, 7),  # warm-up at the same batch shapes
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     since = [len(steps) for steps in decode_steps(llm)]
+    print(f"# {layout_name(layout)}, batch {n}: measuring", flush=True)  # (for a profiler's window)
     t = time.perf_counter()
     outs = llm.generate(prompts(vocab, n, args.input_len, 0),
                         SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True),
@@ -88,6 +89,9 @@ def run_one(path: str, args, n: int, **layout) -> dict:
                output_tok_s=round(n_out / elapsed, 1),
                decode_tok_s=round(dec_tok_s, 1) if dec else None,
                decode_step_ms=round(1e3 * float(np.median([x[1] for x in dec])), 2) if dec else None,
+               # the share of a step the core's host was busy (not waiting for the device):
+               # near 1, the host bounds the step
+               host_busy=round(1 - float(np.median([x[2] / x[1] for x in dec])), 2) if dec else None,
                start_s=round(start_s, 1), shutdown_s=round(shutdown_s, 2))
     if model.is_moe:
         floor, hit = bytes_floor(model, layout, n, args.input_len + args.output_len / 2, elem)

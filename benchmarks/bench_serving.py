@@ -88,7 +88,7 @@ def decode_step_time(llm, vocab: int, ctx: int) -> float:
     [prompt] = random_prompts(vocab, 1, ctx, 3)
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=34, ignore_eos=True),
                  use_tqdm=False)
-    times = [dt for _, dt in llm.engine.call("decode_step_log", since)]
+    times = [dt for _, dt, _ in llm.engine.call("decode_step_log", since)]
     return float(np.median(times[2:]))
 
 

@@ -74,7 +74,7 @@ def decode_steps(llm, n, inp, steps, structured, seed):
         sync(llm.config.device)
         for (obj, name), real in zip(parts, reals):
             setattr(obj, name, real)
-        full = [s for tokens, s in core.decode_step_log(start) if tokens == n]
+        full = [s for tokens, s, _ in core.decode_step_log(start) if tokens == n]
     host = {name: round(1e3 * float(np.median(t)), 3) for name, t in times.items()}
     return float(np.median(full)) if full else float("nan"), host, len(full)
 

@@ -40,7 +40,9 @@ class EngineCore:
         self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
         self._mask = None  # the bitmask of a step with structured requests, being filled
         self._num_sent: dict[str, int] = {}  # output tokens already reported, per request
-        self.decode_steps: deque = deque(maxlen=100_000)  # (tokens, seconds) of decode-only steps
+        # (tokens, seconds, seconds waited for the device) of decode-only steps (benchmarks)
+        self.decode_steps: deque = deque(maxlen=100_000)
+        self._waited = 0.0
         if config.device == "cuda" and self.kv_connector is None and not config.dp_lockstep:
             self._warm_up()
         self.load_s = time.perf_counter() - t0
@@ -100,7 +102,7 @@ class EngineCore:
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
         """One scheduled step. `lockstep`: expert models' DP ranks run a forward every step,
         a dummy one when this rank has nothing planned."""
-        t = time.perf_counter()
+        t, self._waited = time.perf_counter(), 0.0
         failed = self._admit_compiled()
         out = self.scheduler.schedule()
         outputs = self._step(out, lockstep)
@@ -108,7 +110,7 @@ class EngineCore:
             outputs += self._outputs(SchedulerOutput(), failed)
         if out.requests and all(r.num_computed_tokens > 0 and len(r.token_ids) == 1
                                 for r in out.requests):  # decode only: its period (benchmarks)
-            self.decode_steps.append((out.num_tokens, time.perf_counter() - t))
+            self.decode_steps.append((out.num_tokens, time.perf_counter() - t, self._waited))
         return outputs
 
     def _admit_compiled(self) -> list[Request]:
@@ -159,12 +161,20 @@ class EngineCore:
             self._sample_masked(self._in_flight[1])
         launched = None if idle else (out, self.executor.execute_async(out))
         previous, self._in_flight = self._in_flight, launched
-        outputs = [] if previous is None else self._apply(previous[0], previous[1].result())
+        outputs = [] if previous is None else self._apply(previous[0], self._result(previous[1]))
         if launched is not None:  # after step N is applied: its tokens advanced the matchers
             self._start_mask(*launched)
         else:  # any finished while planning
             outputs += self._outputs(out, self.scheduler.update_from_output(out, {}))
         return outputs
+
+    def _result(self, pending):
+        """Step N's sampled ids; the time this blocks is the device's (or a late worker's)
+        share of the step: near zero when the host bounds the step."""
+        t = time.perf_counter()
+        result = pending.result()
+        self._waited += time.perf_counter() - t
+        return result
 
     def drain(self) -> list[EngineCoreOutput]:
         """Apply the step in flight, if any (an idle lockstep rank's last dummy step)."""
@@ -255,7 +265,8 @@ class EngineCore:
         return s
 
     def decode_step_log(self, start: int = 0) -> list[tuple[int, float]]:
-        """(tokens, seconds) of the decode-only steps since the `start`-th (benchmarks)."""
+        """(tokens, seconds, seconds waited for the device) of the decode-only steps since the
+        `start`-th (benchmarks)."""
         return list(self.decode_steps)[start:]
 
     def pool_state(self) -> dict:
