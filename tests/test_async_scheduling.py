@@ -4,6 +4,8 @@ On the CPU the code path is the GPU's: step N+1 is planned and launched before s
 sampled ids are read, its decodes carry PLACEHOLDER ids that the worker fills in from the
 last step's samples; only the overlap itself is missing.
 """
+import pickle
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from longserve import LLM, SamplingParams
 from longserve.engine.request import Request
 from longserve.engine import executor as executor_mod
 from longserve.llm import build_engine_config
-from longserve.step_plan import PLACEHOLDER
+from longserve.step_plan import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 MODEL = "builtin:llama-tiny"
 PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate([5, 23, 40, 9, 61, 17])]
@@ -175,3 +177,21 @@ def test_scheduled_token_ids_are_the_tokens_then_placeholders(prompt, outputs, p
     start = data.draw(st.integers(0, len(full)))
     end = data.draw(st.integers(start, len(full)))
     assert req.scheduled_token_ids(start, end) == full[start:end]
+
+
+requests_st = st.builds(
+    ScheduledRequest, req_id=st.text(max_size=8), token_ids=st.lists(st.integers(-1, 9)),
+    num_computed_tokens=st.integers(0, 99), block_ids=st.lists(st.integers(0, 99)),
+    new=st.booleans(), sample=st.booleans(),
+    sampling_params=st.none() | st.builds(SamplingParams, max_tokens=st.integers(1, 9)),
+    seed_offset=st.integers(0, 9), resumed_from_preemption=st.booleans(),
+    prompt_logprob_targets=st.none() | st.lists(st.integers(0, 9)), prompt_logprob_row=st.integers(0, 9))
+
+
+@given(reqs=st.lists(requests_st, max_size=6), finished=st.lists(st.text(max_size=4)),
+       new_blocks=st.lists(st.integers(0, 99)))
+def test_a_plan_reaches_the_workers_whole(reqs, finished, new_blocks):
+    """The plan's wire form (a tuple per request) gives the workers the plan that was sent."""
+    out = SchedulerOutput(reqs, finished, new_blocks, {"connector": [1]})
+    back = pickle.loads(pickle.dumps(out))
+    assert back == out and all(type(r) is ScheduledRequest for r in back.requests)

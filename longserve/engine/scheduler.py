@@ -91,12 +91,10 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids,
                               new_block_ids=self.kv.drain_newly_allocated())
         self._finished_ids = []
-        for req, n in sorted(plan, key=lambda p: not self._is_decode(*p)):  # decodes first
-            out.requests.append(self._describe(req, n))
-            self.num_prompt_tokens_computed += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
-            self._advance(req, n)
-            if req.children and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._fork(req)
+        decodes = [p for p in plan if p[1] == 1 and p[0].num_computed_tokens > 0]
+        if len(decodes) < len(plan):  # decodes first, then prefill chunks (each in plan order)
+            plan = decodes + [p for p in plan if not (p[1] == 1 and p[0].num_computed_tokens > 0)]
+        out.requests = [self._describe_and_advance(req, n) for req, n in plan]
         if self.connector is not None:
             self._attach_connector_meta(out)
         return out
@@ -135,30 +133,14 @@ class Scheduler:
         """Running requests plus the choices they will fork (max_num_seqs bounds both)."""
         return len(self.running) + sum(len(r.children) for r in self.running)
 
-    @staticmethod
-    def _advance(req: Request, n: int) -> None:
-        """The chunk counts as computed once planned; a sampling chunk leaves a placeholder."""
-        req.num_computed_tokens += n
-        req.num_steps_in_flight += 1
-        if req.num_computed_tokens == req.num_tokens_with_placeholders:
-            req.num_output_placeholders += 1
-
-    @staticmethod
-    def _is_decode(req: Request, n: int) -> bool:
-        return n == 1 and req.num_computed_tokens > 0
-
-    def _at_limit(self, req: Request) -> bool:
-        """Its in-flight tokens already reach max_tokens or max_model_len: wait for them."""
-        if not req.num_output_placeholders:
-            return False
-        max_tokens = req.sampling_params.max_tokens
-        return ((max_tokens is not None and req.num_output_tokens_with_placeholders >= max_tokens)
-                or req.num_tokens_with_placeholders >= self.config.max_model_len)
-
     def _chunk_size(self, req: Request, budget: int) -> int:
-        if self._at_limit(req):
-            return 0
-        remaining = req.num_tokens_with_placeholders - req.num_computed_tokens
+        total = req.num_tokens_with_placeholders
+        if req.num_output_placeholders:  # its in-flight tokens may reach a limit: wait for them
+            max_tokens = req.sampling_params.max_tokens
+            if ((max_tokens is not None and total - len(req.prompt_token_ids) >= max_tokens)
+                    or total >= self.config.max_model_len):
+                return 0
+        remaining = total - req.num_computed_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
@@ -236,24 +218,31 @@ class Scheduler:
         self.finish_request(req.request_id)
         self._finished_in_schedule.append(req)
 
-    def _describe(self, req: Request, n: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
+    def _describe_and_advance(self, req: Request, n: int) -> ScheduledRequest:
+        """The request's share of the plan; then its chunk counts as computed (a sampling
+        chunk leaves a placeholder). Runs for every planned request: each number read once."""
+        start, total = req.num_computed_tokens, req.num_tokens_with_placeholders
+        end = start + n
         sent = self._num_blocks_sent.get(req.request_id)
         self._num_blocks_sent[req.request_id] = len(req.block_ids)
         targets, row = self._prompt_logprob_targets(req, start, n)
-        return ScheduledRequest(
-            req_id=req.request_id,
-            token_ids=req.scheduled_token_ids(start, start + n),
-            num_computed_tokens=start,
-            block_ids=list(req.block_ids if sent is None else req.block_ids[sent:]),
-            new=sent is None,
-            sample=start + n == req.num_tokens_with_placeholders,
+        num_prompt = len(req.prompt_token_ids)
+        sr = ScheduledRequest(
+            req.request_id, req.scheduled_token_ids(start, end), start,
+            list(req.block_ids if sent is None else req.block_ids[sent:]),
+            new=sent is None, sample=end == total,
             sampling_params=req.sampling_params if sent is None else None,
-            seed_offset=req.num_output_tokens_with_placeholders,
-            resumed_from_preemption=sent is None and req.num_preemptions > 0,
-            prompt_logprob_targets=targets,
-            prompt_logprob_row=row,
-        )
+            seed_offset=total - num_prompt, resumed_from_preemption=sent is None and req.num_preemptions > 0,
+            prompt_logprob_targets=targets, prompt_logprob_row=row)
+        if start < num_prompt:
+            self.num_prompt_tokens_computed += min(num_prompt - start, n)
+        req.num_computed_tokens = end
+        req.num_steps_in_flight += 1
+        if end == total:
+            req.num_output_placeholders += 1
+        if req.children and end >= num_prompt:
+            self._fork(req)
+        return sr
 
     @staticmethod
     def _prompt_logprob_targets(req: Request, start: int, n: int) -> tuple[list[int] | None, int]:
@@ -283,15 +272,16 @@ class Scheduler:
             req.num_steps_in_flight -= 1
             if prompt_logprobs and sr.req_id in prompt_logprobs:
                 self._add_prompt_logprobs(req, sr, prompt_logprobs[sr.req_id])
+            token = sampled.get(sr.req_id) if sr.sample else None
             if sr.sample:
                 req.num_output_placeholders -= 1
-                if sr.req_id in sampled and req.sampling_params.max_tokens != 0:
-                    req.output_token_ids.append(sampled[sr.req_id])
+                if token is not None and req.sampling_params.max_tokens != 0:
+                    req.output_token_ids.append(token)
                     if logprobs and sr.req_id in logprobs:
                         req.logprobs.append(logprobs[sr.req_id])
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_full_blocks(req)
-            if sr.sample and sr.req_id in sampled and self._check_stop(req):
+            if token is not None and self._check_stop(req):
                 finished.append(req)
         for req in finished:
             if not req.is_finished:
