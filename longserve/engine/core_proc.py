@@ -15,10 +15,10 @@ DEALER and a PUSH towards each; a request's outputs go back to the front end tha
 (`Owners`), everything else (the load, waves, utility answers) to all of them.
 
 Expert models with DP > 1 step in lockstep (vLLM's waves): while any core has work every
-core runs a forward each iteration (a dummy one when it has nothing planned), and every
-WAVE_CHECK_INTERVAL iterations the cores all-reduce whether any still has work; when none
-has, all stop together and wait for the next wave. A core that gets a request while idle
-starts the wave at once and says so; the front end then tells the others (`WAVE`)."""
+core runs a forward each iteration (a dummy one when it has nothing planned), and after each
+iteration the cores all-reduce whether any still has work; when none has, all stop together
+and wait for the next wave. A core that gets a request while idle starts the wave at once and
+says so; the front end then tells the others (`WAVE`)."""
 from __future__ import annotations
 
 import logging
@@ -39,11 +39,6 @@ from longserve.stalls import freeze_after_warm_up
 
 logger = logging.getLogger("longserve.engine")
 HEARTBEAT_S = 1.0
-# A wave's end is checked every this many lockstep iterations (vLLM checks every 32): each
-# check is one more all-reduce over the cores a step, a point where the faster core waits for
-# the slower (0.5 ms of a 3 ms step at batch 32 on two H200s); the price is up to this many
-# dummy iterations after a wave's last request.
-WAVE_CHECK_INTERVAL = 32
 
 
 @dataclass
@@ -84,7 +79,7 @@ class EngineCoreProc:
     def __init__(self, core: EngineCore, inputs: queue.Queue, emit):
         self.core, self.inputs, self.emit = core, inputs, emit
         self.index, self.lockstep = core.engine_index, core.config.dp_lockstep
-        self.wave, self.wave_running, self.wave_iterations = 0, False, 0
+        self.wave, self.wave_running = 0, False
         self.stopping = self.stop_after_wave = False
 
     def run(self) -> None:
@@ -121,7 +116,7 @@ class EngineCoreProc:
         if kind == ADD:
             self.core.add_request(payload)
             if self.lockstep and not self.wave_running:  # the others must join this wave
-                self._start_wave(self.wave)
+                self.wave_running = True
                 self.emit(EngineCoreOutputs(self.index, wave_started=self.wave))
         elif kind == ABORT:
             self.core.abort_requests(payload)
@@ -129,7 +124,7 @@ class EngineCoreProc:
             self.emit(EngineCoreOutputs(self.index, utility=self._call(*payload)))
         elif kind == WAVE:
             if payload >= self.wave:  # an older wave already ended here
-                self._start_wave(payload)
+                self.wave, self.wave_running = payload, True
         elif kind == SHUTDOWN:
             if self.lockstep and self.wave_running:
                 # the other cores are inside this wave's collectives: end it with them (every
@@ -147,17 +142,9 @@ class EngineCoreProc:
         except Exception as e:
             return UtilityResult(call_id, error=f"{type(e).__name__}: {e}")
 
-    def _start_wave(self, wave: int) -> None:
-        """Every core counts the wave's iterations from its own start (a later joiner's first
-        iteration meets the others' first in its step's collective), so all check alike."""
-        if not self.wave_running:
-            self.wave_running, self.wave_iterations = True, 0
-        self.wave = wave
-
     def _end_of_wave_check(self) -> list:
-        """After a lockstep iteration: does any DP rank still have work? If not, all stop."""
-        self.wave_iterations += 1
-        if self.wave_iterations % WAVE_CHECK_INTERVAL or self.core.dp_any_unfinished():
+        """After every lockstep iteration: does any DP rank still have work? If not, all stop."""
+        if self.core.dp_any_unfinished():
             return []
         outputs = self.core.drain()  # this iteration's dummy step
         self.wave_running, self.wave = False, self.wave + 1
