@@ -71,10 +71,6 @@ class Request:
         """Known tokens plus those sampled on the device and not read back yet."""
         return self.num_tokens + self.num_output_placeholders
 
-    @property
-    def num_output_tokens_with_placeholders(self) -> int:
-        return len(self.output_token_ids) + self.num_output_placeholders
-
     def scheduled_token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) for the plan: PLACEHOLDER where the token is still on the device."""
         known = self.num_tokens
