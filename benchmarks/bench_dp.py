@@ -91,7 +91,8 @@ def run_one(path: str, args, n: int, **layout) -> dict:
                decode_step_ms=round(1e3 * float(np.median([x[1] for x in dec])), 2) if dec else None,
                # the share of a step the core's host was busy (not waiting for the device):
                # near 1, the host bounds the step
-               host_busy=round(1 - float(np.median([x[2] / x[1] for x in dec])), 2) if dec else None,
+               host_busy=(round(1 - float(np.median([x[2] / x[1] for x in dec])), 2)
+                          if dec else None),
                start_s=round(start_s, 1), shutdown_s=round(shutdown_s, 2))
     if model.is_moe:
         floor, hit = bytes_floor(model, layout, n, args.input_len + args.output_len / 2, elem)

@@ -63,6 +63,6 @@ class SchedulerOutput:
 _request_row = attrgetter(*(f.name for f in fields(ScheduledRequest)))
 
 
-def _plan_from_rows(rows, finished_req_ids, new_block_ids, kv_connector_metadata) -> SchedulerOutput:
+def _plan_from_rows(rows, finished_req_ids, new_block_ids, kv_connector_metadata):
     return SchedulerOutput(list(starmap(ScheduledRequest, rows)), finished_req_ids, new_block_ids,
                            kv_connector_metadata)

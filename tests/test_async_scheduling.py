@@ -185,7 +185,8 @@ requests_st = st.builds(
     new=st.booleans(), sample=st.booleans(),
     sampling_params=st.none() | st.builds(SamplingParams, max_tokens=st.integers(1, 9)),
     seed_offset=st.integers(0, 9), resumed_from_preemption=st.booleans(),
-    prompt_logprob_targets=st.none() | st.lists(st.integers(0, 9)), prompt_logprob_row=st.integers(0, 9))
+    prompt_logprob_targets=st.none() | st.lists(st.integers(0, 9)),
+    prompt_logprob_row=st.integers(0, 9))
 
 
 @given(reqs=st.lists(requests_st, max_size=6), finished=st.lists(st.text(max_size=4)),

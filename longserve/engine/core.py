@@ -264,7 +264,7 @@ class EngineCore:
                 s[f"kv_connector_{name}"] = getattr(self.kv_connector, name)
         return s
 
-    def decode_step_log(self, start: int = 0) -> list[tuple[int, float]]:
+    def decode_step_log(self, start: int = 0) -> list[tuple[int, float, float]]:
         """(tokens, seconds, seconds waited for the device) of the decode-only steps since the
         `start`-th (benchmarks)."""
         return list(self.decode_steps)[start:]

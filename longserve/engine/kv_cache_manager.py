@@ -117,9 +117,9 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""
-        if (not self.enable_prefix_caching  # or no block filled since (most decode steps):
-                or request.num_computed_tokens < (request.num_cached_blocks + 1) * self.tokens_per_block):
-            return
+        next_full = (request.num_cached_blocks + 1) * self.tokens_per_block
+        if not self.enable_prefix_caching or request.num_computed_tokens < next_full:
+            return  # (no block filled since the last call: most decode steps)
         # computed may run ahead of the known tokens (a placeholder of asynchronous scheduling)
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.tokens_per_block
         if num_full <= request.num_cached_blocks:

@@ -91,10 +91,10 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids,
                               new_block_ids=self.kv.drain_newly_allocated())
         self._finished_ids = []
-        decodes = [p for p in plan if p[1] == 1 and p[0].num_computed_tokens > 0]
-        if len(decodes) < len(plan):  # decodes first, then prefill chunks (each in plan order)
-            plan = decodes + [p for p in plan if not (p[1] == 1 and p[0].num_computed_tokens > 0)]
-        out.requests = [self._describe_and_advance(req, n) for req, n in plan]
+        decodes, chunks = [], []  # decodes first, then prefill chunks (each in plan order)
+        for req, n in plan:
+            (decodes if n == 1 and req.num_computed_tokens > 0 else chunks).append((req, n))
+        out.requests = [self._describe_and_advance(req, n) for req, n in decodes + chunks]
         if self.connector is not None:
             self._attach_connector_meta(out)
         return out
@@ -232,7 +232,8 @@ class Scheduler:
             list(req.block_ids if sent is None else req.block_ids[sent:]),
             new=sent is None, sample=end == total,
             sampling_params=req.sampling_params if sent is None else None,
-            seed_offset=total - num_prompt, resumed_from_preemption=sent is None and req.num_preemptions > 0,
+            seed_offset=total - num_prompt,
+            resumed_from_preemption=sent is None and req.num_preemptions > 0,
             prompt_logprob_targets=targets, prompt_logprob_row=row)
         if start < num_prompt:
             self.num_prompt_tokens_computed += min(num_prompt - start, n)
