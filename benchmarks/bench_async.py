@@ -34,7 +34,7 @@ def spy_steps(llm):
 
     def planned():
         out = schedule()
-        dec = sum(1 for r in out.requests if r.num_computed_tokens > 0 and len(r.token_ids) == 1)
+        dec = sum(1 for r in out.all_requests() if r.num_computed_tokens > 0 and len(r.token_ids) == 1)
         log.append([dec, out.num_tokens - dec, 0.0])
         return out
 

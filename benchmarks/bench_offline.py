@@ -143,8 +143,8 @@ def run_floor_s(steps, weight_bytes: int, kv_per_tok: int, bw_tb_s: float) -> fl
 
 
 def plan_requests(plan) -> list:
-    """The ScheduledRequests of a step plan."""
-    return list(plan.requests)
+    """The ScheduledRequests of a step plan (its decode rows included)."""
+    return plan.all_requests()
 
 
 def step_record(plan, seconds: float) -> StepRecord:

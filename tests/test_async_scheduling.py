@@ -14,7 +14,7 @@ from longserve import LLM, SamplingParams
 from longserve.engine.request import Request
 from longserve.engine import executor as executor_mod
 from longserve.llm import build_engine_config
-from longserve.step_plan import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from longserve.step_plan import PLACEHOLDER, DecodeRows, ScheduledRequest, SchedulerOutput
 
 MODEL = "builtin:llama-tiny"
 PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate([5, 23, 40, 9, 61, 17])]
@@ -122,7 +122,8 @@ def test_next_step_is_launched_before_the_last_results_are_read(pair, monkeypatc
 
     def spy_launch(out):
         pending = launch(out)
-        events.append(("launch", pending.step, sum(PLACEHOLDER in r.token_ids for r in out.requests)))
+        placeholders = sum(PLACEHOLDER in r.token_ids for r in out.all_requests())
+        events.append(("launch", pending.step, placeholders))
         return pending
 
     def spy_result(self):
@@ -146,7 +147,7 @@ def test_never_plans_past_max_tokens(pair, monkeypatch):
 
     def spy():
         out = schedule()
-        for r in out.requests:
+        for r in out.all_requests():
             samples[r.req_id] = samples.get(r.req_id, 0) + r.sample
         return out
     monkeypatch.setattr(sched, "schedule", spy)
@@ -189,10 +190,27 @@ requests_st = st.builds(
     prompt_logprob_row=st.integers(0, 9))
 
 
+@st.composite
+def decode_rows_st(draw):
+    ids = draw(st.lists(st.text(max_size=4), max_size=6, unique=True))
+    ints = st.lists(st.integers(-1, 99), min_size=len(ids), max_size=len(ids))
+    rows = st.lists(st.integers(0, 99), min_size=1, max_size=3)
+    new_blocks = draw(st.dictionaries(st.integers(0, max(len(ids) - 1, 0)), rows)) if ids else {}
+    return DecodeRows(ids, draw(ints), draw(ints), draw(ints), new_blocks)
+
+
 @given(reqs=st.lists(requests_st, max_size=6), finished=st.lists(st.text(max_size=4)),
-       new_blocks=st.lists(st.integers(0, 99)))
-def test_a_plan_reaches_the_workers_whole(reqs, finished, new_blocks):
-    """The plan's wire form (a tuple per request) gives the workers the plan that was sent."""
-    out = SchedulerOutput(reqs, finished, new_blocks, {"connector": [1]})
+       new_blocks=st.lists(st.integers(0, 99)), decodes=decode_rows_st())
+def test_a_plan_reaches_the_workers_whole(reqs, finished, new_blocks, decodes):
+    """The plan the workers unpickle is the plan that was sent; its decode rows read back as
+    the requests they stand for."""
+    out = SchedulerOutput(reqs, finished, new_blocks, {"connector": [1]}, decodes)
     back = pickle.loads(pickle.dumps(out))
     assert back == out and all(type(r) is ScheduledRequest for r in back.requests)
+    every = back.all_requests()
+    assert [r.req_id for r in every] == back.req_ids() == decodes.req_ids + [r.req_id for r in reqs]
+    assert back.num_tokens == sum(len(r.token_ids) for r in every)
+    for i, r in enumerate(every[:len(decodes.req_ids)]):
+        assert (r.token_ids, r.num_computed_tokens, r.sample, r.new) == \
+            ([decodes.token_ids[i]], decodes.num_computed[i], True, False)
+        assert r.block_ids == decodes.new_blocks.get(i, [])

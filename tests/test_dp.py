@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -229,7 +230,7 @@ def test_coordinated_steps_replay_the_graph_that_holds_them():
     def step(n, decode, dummy=False):
         inp = SimpleNamespace(num_local_tokens=n, is_pure_decode=decode, input_ids=None,
                               positions=None, meta=None)
-        run_coordinated(runner, [SimpleNamespace(token_ids=[0] * n)], [[0]], inp, dummy)
+        run_coordinated(runner, SimpleNamespace(n=np.array([n])), [[0]], inp, dummy)
         return runner.calls.pop()
 
     runner = Runner()

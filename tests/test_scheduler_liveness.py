@@ -54,7 +54,7 @@ class FakeWorkers:
             for off in range(self.tpb):
                 self.slots.pop((b, off), None)
         sampled = {}
-        for sr in out.requests:
+        for sr in out.all_requests():
             if sr.new:
                 assert sr.req_id not in self.blocks and sr.sampling_params is not None
                 self.blocks[sr.req_id] = list(sr.block_ids)
@@ -122,7 +122,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.sched.update_from_output(*previous)
         else:
             self.sched.update_from_output(out, sampled)
-        for sr in out.requests:  # what the workers hold equals the scheduler's block lists
+        for sr in out.all_requests():  # what the workers hold equals the scheduler's block lists
             req = self.sched.requests.get(sr.req_id)
             if req is not None and req.status == RequestStatus.RUNNING:
                 assert self.workers.blocks[sr.req_id] == req.block_ids

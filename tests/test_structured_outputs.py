@@ -106,6 +106,7 @@ def test_the_mask_covers_the_tokenizer_and_leaves_the_padded_ids_out(llm):
     a token the grammar refuses is kept as `rejected` and the matcher stays where it was."""
     from types import SimpleNamespace
     from longserve.engine.structured_output import GrammarState, StructuredOutputManager
+    from longserve.step_plan import DecodeRows, SchedulerOutput
     manager = StructuredOutputManager(llm.config.model)
     compiler = manager.compiler()
     grammar = compiler.compile("json", json.dumps(SCHEMA))
@@ -116,7 +117,7 @@ def test_the_mask_covers_the_tokenizer_and_leaves_the_padded_ids_out(llm):
             for i in range(len(texts))}
     for i, text in enumerate(texts):
         reqs[str(i)].grammar.pending = tok.encode(text, add_special_tokens=False).ids
-    out = SimpleNamespace(requests=[SimpleNamespace(req_id=k, sample=True) for k in reqs])
+    out = SchedulerOutput(decodes=DecodeRows(req_ids=list(reqs)))
     mask, rows = manager.start_bitmask(out, reqs).result()
     assert [r.grammar.pending for r in reqs.values()] == [[]] * 4  # taken by the mask thread
     bits = ((mask[:, :, None].long() >> torch.arange(32)) & 1).flatten(1)

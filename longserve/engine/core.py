@@ -108,8 +108,7 @@ class EngineCore:
         outputs = self._step(out, lockstep)
         if failed:
             outputs += self._outputs(SchedulerOutput(), failed)
-        if out.requests and all(r.num_computed_tokens > 0 and len(r.token_ids) == 1
-                                for r in out.requests):  # decode only: its period (benchmarks)
+        if out.decodes.req_ids and not out.requests:  # decode only: its period (benchmarks)
             self.decode_steps.append((out.num_tokens, time.perf_counter() - t, self._waited))
         return outputs
 
@@ -196,7 +195,7 @@ class EngineCore:
         """What each request of the applied plan gained, and every finished request's end."""
         done = {r.request_id: r for r in finished}
         outputs = []
-        for req_id in dict.fromkeys([r.req_id for r in out.requests] + list(done)):
+        for req_id in dict.fromkeys(out.req_ids() + list(done)):
             req = self.scheduler.requests.get(req_id) or done.get(req_id)
             sent = self._num_sent.get(req_id)
             if req is None or sent is None:

@@ -37,7 +37,7 @@ from collections import deque
 from longserve.config import SchedulerConfig
 from longserve.engine.kv_cache_manager import KVCacheManager
 from longserve.engine.request import Request, RequestStatus
-from longserve.step_plan import ScheduledRequest, SchedulerOutput
+from longserve.step_plan import PLACEHOLDER, DecodeRows, ScheduledRequest, SchedulerOutput
 
 
 def check_request_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -91,8 +91,9 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids,
                               new_block_ids=self.kv.drain_newly_allocated())
         self._finished_ids = []
-        decodes, chunks = [], []  # decodes first, then prefill chunks (each in plan order)
-        for req, n in plan:
+        out.decodes, rest = self._advance_decodes(plan)
+        decodes, chunks = [], []  # decodes first, then chunks (each in plan order)
+        for req, n in rest:
             (decodes if n == 1 and req.num_computed_tokens > 0 else chunks).append((req, n))
         out.requests = [self._describe_and_advance(req, n) for req, n in decodes + chunks]
         if self.connector is not None:
@@ -134,10 +135,11 @@ class Scheduler:
         return len(self.running) + sum(len(r.children) for r in self.running)
 
     def _chunk_size(self, req: Request, budget: int) -> int:
-        total = req.num_tokens_with_placeholders
-        if req.num_output_placeholders:  # its in-flight tokens may reach a limit: wait for them
+        placeholders, num_output = req.num_output_placeholders, len(req.output_token_ids)
+        total = len(req.prompt_token_ids) + num_output + placeholders
+        if placeholders:  # its in-flight tokens may reach a limit: wait for them
             max_tokens = req.sampling_params.max_tokens
-            if ((max_tokens is not None and total - len(req.prompt_token_ids) >= max_tokens)
+            if ((max_tokens is not None and num_output + placeholders >= max_tokens)
                     or total >= self.config.max_model_len):
                 return 0
         remaining = total - req.num_computed_tokens
@@ -146,14 +148,16 @@ class Scheduler:
         return min(remaining, budget)
 
     def _schedule_running(self, plan: list, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        i, running, tpb = 0, self.running, self.kv.tokens_per_block
+        while i < len(running) and budget > 0:
+            req = running[i]
             n = self._chunk_size(req, budget)
             if n == 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, n):
+            # (most decode steps: the last block has room, nothing to allocate)
+            while (req.num_computed_tokens + n > len(req.block_ids) * tpb
+                   and not self.kv.allocate_slots(req, n)):
                 victim = self.running[-1]
                 if victim is req and i == 0:  # alone, and the whole pool cannot hold it
                     self._finish_outgrown(req)
@@ -218,6 +222,33 @@ class Scheduler:
         self.finish_request(req.request_id)
         self._finished_in_schedule.append(req)
 
+    def _advance_decodes(self, plan: list[tuple[Request, int]]) -> tuple[DecodeRows, list]:
+        """The plan's plain decodes (known to the workers, one sampled output token each) as
+        columns, advanced; and the rest of the plan. The usual step is only these, so this
+        loop is most of the scheduler's cost a request: each number is read once."""
+        rows, rest, sent = DecodeRows(), [], self._num_blocks_sent
+        ids, computed, tokens, offsets = rows.req_ids, rows.num_computed, rows.token_ids, rows.seed_offsets
+        for req, n in plan:
+            rid, start, num_prompt = req.request_id, req.num_computed_tokens, len(req.prompt_token_ids)
+            num_known = num_prompt + len(req.output_token_ids)
+            have = sent.get(rid)
+            if (n != 1 or have is None or start < num_prompt
+                    or start + 1 != num_known + req.num_output_placeholders):
+                rest.append((req, n))
+                continue
+            blocks = req.block_ids
+            if have != len(blocks):
+                rows.new_blocks[len(ids)] = blocks[have:]
+                sent[rid] = len(blocks)
+            ids.append(rid)
+            computed.append(start)
+            tokens.append(req.output_token_ids[start - num_prompt] if start < num_known else PLACEHOLDER)
+            offsets.append(start + 1 - num_prompt)
+            req.num_computed_tokens = start + 1
+            req.num_steps_in_flight += 1
+            req.num_output_placeholders += 1
+        return rows, rest
+
     def _describe_and_advance(self, req: Request, n: int) -> ScheduledRequest:
         """The request's share of the plan; then its chunk counts as computed (a sampling
         chunk leaves a placeholder). Runs for every planned request: each number read once."""
@@ -266,6 +297,7 @@ class Scheduler:
         prefix cache, finished requests leave; returns the finished. A request preempted
         while the step ran still gets its token (it is recomputed with it)."""
         finished, self._finished_in_schedule = self._finished_in_schedule, []
+        self._apply_decodes(out.decodes.req_ids, sampled, logprobs, finished)
         for sr in out.requests:
             req = self.requests.get(sr.req_id)
             if req is None:
@@ -288,6 +320,26 @@ class Scheduler:
             if not req.is_finished:
                 self.finish_request(req.request_id, req.finish_reason)
         return finished
+
+    def _apply_decodes(self, req_ids: list[str], sampled: dict[str, int], logprobs, finished: list) -> None:
+        """update_from_output for the plain decodes (each sampled one token)."""
+        requests, running, tpb = self.requests, RequestStatus.RUNNING, self.kv.tokens_per_block
+        for rid in req_ids:
+            req = requests.get(rid)
+            if req is None:
+                continue  # finished or aborted meanwhile
+            req.num_steps_in_flight -= 1
+            req.num_output_placeholders -= 1
+            token = sampled.get(rid)
+            if token is not None:
+                req.output_token_ids.append(token)
+                if logprobs and rid in logprobs:
+                    req.logprobs.append(logprobs[rid])
+            # (a block filled: once in tokens_per_block steps)
+            if req.status == running and req.num_computed_tokens >= (req.num_cached_blocks + 1) * tpb:
+                self.kv.cache_full_blocks(req)
+            if token is not None and self._check_stop(req):
+                finished.append(req)
 
     @staticmethod
     def _add_prompt_logprobs(req: Request, sr: ScheduledRequest, entries: list) -> None:

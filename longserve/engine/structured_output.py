@@ -131,7 +131,7 @@ class StructuredOutputManager:
     def start_bitmask(self, out: SchedulerOutput, requests: dict[str, Request]) -> Future:
         """`bitmask` on the mask thread, for the plan's sampling rows with a grammar (their
         pending tokens taken here). Until its result is taken nothing may sample for them."""
-        sampling = [requests.get(r.req_id) for r in out.requests if r.sample]
+        sampling = [requests.get(rid) for rid in out.sampling_req_ids()]
         rows = [i for i, q in enumerate(sampling) if q is not None and q.grammar is not None]
         work = []
         for i in rows:

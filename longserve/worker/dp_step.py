@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from longserve.models.dbo import run_dual_batch
-from longserve.step_plan import ScheduledRequest
+from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker.dp_utils import coordinate_batch_across_dp
 
-from longserve.worker.step_inputs import StepInputs, prepare_step
+from longserve.worker.step_inputs import (StepInputs, StepRows, build_block_table, prepare_step,
+                                          step_rows)
 from longserve.worker.utils import is_residual_scattered_for_sp
 
 NO_GRAPH, FULL_GRAPH = 0, 2  # coordinate_batch_across_dp's CUDA-graph modes
@@ -42,15 +43,15 @@ def balanced_split(tokens_per_request: np.ndarray) -> int:
     return int(np.argmin(np.maximum(before, before[-1] + tokens_per_request[-1] - before))) + 1
 
 
-def run_coordinated(runner, reqs: list[ScheduledRequest], block_ids: list[list[int]],
+def run_coordinated(runner, rows: StepRows, table: np.ndarray,
                     inp: StepInputs, dummy: bool = False) -> torch.Tensor:
     """The forward of a step whose shape the DP ranks agree on; hidden states [T, hidden].
     When every rank can, all replay the decode graph of the agreed (largest) size; a dummy
     step replays it with no real row."""
     par, ps = runner.config.parallel, runner.ps
     n = inp.num_local_tokens
-    per_req = np.array([len(r.token_ids) for r in reqs])
-    allow_ubatch = wants_dbo(par, inp) and len(reqs) >= 2  # micro-batches run eagerly
+    per_req = rows.n
+    allow_ubatch = wants_dbo(par, inp) and len(per_req) >= 2  # micro-batches run eagerly
     graph = runner.graph_size(n) if (inp.is_pure_decode or dummy) and not allow_ubatch else None
     padded = n if graph is None else graph
     if allow_ubatch:  # both micro-batches are padded to the larger one's size
@@ -66,11 +67,11 @@ def run_coordinated(runner, reqs: list[ScheduledRequest], block_ids: list[list[i
         sp = is_residual_scattered_for_sp(runner.config, n)
         return runner.model(inp.input_ids, inp.positions, inp.meta, sp, dp_pad)
     ubatches, split = [], int(per_req[:k].sum())
-    for part, rows in ((slice(0, k), slice(0, split)), (slice(k, len(reqs)), slice(split, n))):
-        ub = prepare_step(reqs[part], block_ids[part], runner.layout, ps, None, runner.device,
+    for (a, b), tokens in (((0, k), slice(0, split)), ((k, len(per_req)), slice(split, n))):
+        ub = prepare_step(rows.part(a, b), table[a:b], runner.layout, ps, None, runner.device,
                           runner.backend)
         # the step's ids, not the micro-batch's own: placeholders are filled in there
-        ubatches.append((inp.input_ids[rows], ub.positions, ub.meta))
+        ubatches.append((inp.input_ids[tokens], ub.positions, ub.meta))
     runner.num_dbo_steps += 1
     return run_dual_batch(runner.model, ubatches, dp_pad // 2)
 
@@ -78,8 +79,8 @@ def run_coordinated(runner, reqs: list[ScheduledRequest], block_ids: list[list[i
 def run_dummy_step(runner) -> None:
     """A one-token forward with no KV write (or a graph replay with no real row): keeps an
     idle DP rank in the expert collectives."""
-    req = ScheduledRequest("dp-dummy", [0], 0, [0], True, False)
-    inp = prepare_step([req], [[0]], runner.layout, runner.ps, None, runner.device,
-                       runner.backend)
+    rows = step_rows(SchedulerOutput([ScheduledRequest("dp-dummy", [0], 0, [0], True, False)]))
+    table = build_block_table([[0]])
+    inp = prepare_step(rows, table, runner.layout, runner.ps, None, runner.device, runner.backend)
     inp.meta.slot_mapping.fill_(-1)
-    run_coordinated(runner, [req], [[0]], inp, dummy=True)
+    run_coordinated(runner, rows, table, inp, dummy=True)

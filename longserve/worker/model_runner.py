@@ -28,7 +28,8 @@ from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_unsupported
 from longserve.worker.sampler import (Sampler, apply_token_bitmask, logit_bias_arrays,
                                       prompt_logprobs)
-from longserve.worker.step_inputs import CPLayout, StepInputs, prepare_step
+from longserve.worker.step_inputs import (CPLayout, StepInputs, build_block_table, prepare_step,
+                                          step_rows)
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,
                                     prepare_kernel_block_sizes)
@@ -138,6 +139,8 @@ class ModelRunner:
         # each request in them; the next step's PLACEHOLDER inputs are filled from these
         self.async_scheduling = config.scheduler.async_scheduling
         self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self._batch: tuple | None = None  # _batch_params
+        self._table: tuple[list[str], np.ndarray] | None = None  # _block_table
         # prompt logprobs take logits of this many rows at a time: [rows, vocab] stays ~64 MB
         self.prompt_logprob_rows_per_slice = max(1, (1 << 24) // config.model.vocab_size)
 
@@ -198,6 +201,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.requests.clear()
+        self._table = self._batch = None
         self.kv_caches.clear()
         for a in self.layers.values():
             a.kv_cache = None
@@ -222,30 +226,56 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         if out.new_block_ids and not profile:
             self.zeroer.zero_block_ids(out.new_block_ids)
-        for r in out.requests:
-            if r.new:
-                self.requests[r.req_id] = RunnerRequest(BlockIdList(r.block_ids), r.sampling_params,
-                                                        logit_bias_arrays(r.sampling_params))
-            else:
-                self.requests[r.req_id].block_ids.extend(r.block_ids)
-        if not out.requests:
+        self._add_blocks(out)
+        if out.is_empty:
             if self.dp_lockstep:  # the other DP ranks run a step this rank must join
                 run_dummy_step(self)
             return ModelRunnerOutput({}, {})
-        block_ids = [self.requests[r.req_id].block_ids.view() for r in out.requests]
+        rows = step_rows(out)
         if profile:  # every token's slot in block 0: the table only needs to be wide enough
-            block_ids = [[0] * (len(out.requests[0].token_ids) // self.block_size + 1)]
-        inp = prepare_step(out.requests, block_ids, self.layout, self.ps, self.pcp, self.device,
-                           self.backend)
+            table = build_block_table([[0] * (len(out.requests[0].token_ids) // self.block_size + 1)])
+        else:
+            table = self._block_table(out, rows.req_ids)
+        inp = prepare_step(rows, table, self.layout, self.ps, self.pcp, self.device, self.backend)
         if inp.placeholder_rows is not None:
-            self.fill_placeholders(out.requests, inp)
+            self.fill_placeholders(rows.req_ids, inp)
         if self.coordinated:
-            hidden = run_coordinated(self, out.requests, block_ids, inp)
+            hidden = run_coordinated(self, rows, table, inp)
         else:
             hidden = self.run_model(inp)
         if self.pcp is not None:
             hidden = self.pcp.restore_hidden_states(hidden, inp.num_local_tokens)
-        return self.sample(out.requests, hidden, inp)
+        return self.sample(out, hidden, inp)
+
+    def _block_table(self, out: SchedulerOutput, ids: list[str]) -> np.ndarray:
+        """The step's block table [R, width]. A step with the rows of the step before (a run of
+        decode steps) patches that table's changed rows: the new blocks of plain decodes, and
+        every other request's row."""
+        if self._table is None or self._table[0] != ids:
+            table = build_block_table([self.requests[i].block_ids.view() for i in ids])
+        else:
+            table, nd = self._table[1], len(out.decodes.req_ids)
+            for row in [*out.decodes.new_blocks, *range(nd, len(ids))]:
+                blocks = self.requests[ids[row]].block_ids.view()
+                if len(blocks) > table.shape[1]:  # (exactly as wide as the longest row)
+                    table = np.pad(table, ((0, 0), (0, len(blocks) - table.shape[1])))
+                table[row, :len(blocks)] = blocks
+                table[row, len(blocks):] = 0
+        self._table = (ids, table)
+        return table
+
+    def _add_blocks(self, out: SchedulerOutput) -> None:
+        """New requests' state, and the blocks the others were given since the last step."""
+        d = out.decodes
+        for row, blocks in d.new_blocks.items():
+            self.requests[d.req_ids[row]].block_ids.extend(blocks)
+        for r in out.requests:
+            if r.new:  # (an id may come back as another request: no cached rows hold it)
+                self._batch = None
+                self.requests[r.req_id] = RunnerRequest(BlockIdList(r.block_ids), r.sampling_params,
+                                                        logit_bias_arrays(r.sampling_params))
+            else:
+                self.requests[r.req_id].block_ids.extend(r.block_ids)
 
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         n = inp.num_local_tokens
@@ -256,30 +286,31 @@ class ModelRunner:
         sp = is_residual_scattered_for_sp(self.config, n)
         return self.model(inp.input_ids, inp.positions, inp.meta, sp)
 
-    def fill_placeholders(self, reqs: list[ScheduledRequest], inp: StepInputs) -> None:
+    def fill_placeholders(self, req_ids: list[str], inp: StepInputs) -> None:
         """Asynchronous scheduling: the plan's PLACEHOLDER ids are the tokens the previous
         step sampled; copy them on the device (the host never saw them)."""
         sampled, row_of = self.last_sampled or (None, {})
         try:
-            src = [row_of[reqs[i].req_id] for i in inp.placeholder_reqs]
+            src = [row_of[req_ids[i]] for i in inp.placeholder_reqs]
         except KeyError as e:
             raise RuntimeError(f"request {e.args[0]} has a placeholder token, but the previous "
                                "step sampled none for it") from None
         rows = to_device(inp.placeholder_rows, self.device)
         inp.input_ids[rows] = sampled[to_device(np.array(src, dtype=np.int64), self.device)]
 
-    def sample(self, reqs: list[ScheduledRequest], hidden, inp: StepInputs) -> ModelRunnerOutput | None:
+    def sample(self, out: SchedulerOutput, hidden, inp: StepInputs) -> ModelRunnerOutput | None:
         """Sample on the first rank of the model group (the first PCP rank's first TP rank);
         the output's ids stay pending until resolve(). Asynchronous scheduling keeps them on
         the device for the next step, on every rank of the model group. A step with a
         structured request leaves its logits in `output.deferred`: the engine core builds the
         grammar bitmask while the forward runs and calls sample_deferred()."""
-        sampling = [r for r in reqs if r.sample]
+        d = out.decodes
+        sampling = (out.sampling_req_ids(),
+                    d.seed_offsets + [r.seed_offset for r in out.requests if r.sample])
         output, logits = None, None
         if self.ps.pcp.rank_in_group == 0:  # the first PCP rank's TP group takes the logits
-            output, logits = self._logits_here(reqs, hidden, inp)
-        if logits is not None and any(self.requests[r.req_id].sampling_params.structured_outputs
-                                      for r in sampling):
+            output, logits = self._logits_here(out.requests, hidden, inp)
+        if logits is not None and self._batch_params(sampling[0])[3]:
             output.deferred = (sampling, logits)
         else:
             self._finish_sampling(output, sampling, logits)
@@ -300,29 +331,39 @@ class ModelRunner:
             return None, None
         return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps), logits
 
+    def _batch_params(self, ids: list[str]) -> tuple:
+        """(params, logit biases, row of each id, any structured, any logprobs) of the sampling
+        rows; kept while the rows stay the same (a run of decode steps pays for it once)."""
+        if self._batch is None or self._batch[0] != ids:
+            params = [self.requests[i].sampling_params for i in ids]
+            self._batch = (ids, params, [self.requests[i].logit_bias for i in ids],
+                           {rid: i for i, rid in enumerate(ids)},
+                           any(p.structured_outputs for p in params),
+                           any(p.logprobs is not None for p in params))
+        return self._batch[1:]
+
     def _finish_sampling(self, output, sampling, logits) -> None:
+        ids, seed_offsets = sampling
         tokens = None
+        params, biases, row_of, _, any_logprobs = self._batch_params(ids)
         if logits is not None:
-            params = [self.requests[r.req_id].sampling_params for r in sampling]
-            tokens = self.sampler(logits, params, [r.seed_offset for r in sampling],
-                                  [self.requests[r.req_id].logit_bias for r in sampling])
-            ids = [r.req_id for r in sampling]
+            tokens = self.sampler(logits, params, seed_offsets, biases)
             output.pending = (ids, SampledTokens(tokens))
-            if any(p.logprobs is not None for p in params):  # these need the ids now
+            if any_logprobs:  # these need the ids now
                 lps = self.sampler.logprobs(logits, params, list(output.resolve().sampled.values()))
                 output.logprobs = {i: lp for i, lp in zip(ids, lps) if lp is not None}
         if self.async_scheduling:
-            self._keep_sampled(sampling, tokens)
+            self._keep_sampled(len(ids), tokens, row_of)
 
-    def _keep_sampled(self, sampling: list[ScheduledRequest], tokens: torch.Tensor | None) -> None:
-        if not sampling:
+    def _keep_sampled(self, num: int, tokens: torch.Tensor | None, row_of: dict[str, int]) -> None:
+        if not num:
             self.last_sampled = None
             return
         if self.ps.model.world_size > 1:  # every rank embeds the next step's ids
             if tokens is None:
-                tokens = torch.empty(len(sampling), dtype=torch.int64, device=self.device)
+                tokens = torch.empty(num, dtype=torch.int64, device=self.device)
             self.ps.model.broadcast(tokens)
-        self.last_sampled = tokens, {r.req_id: i for i, r in enumerate(sampling)}
+        self.last_sampled = tokens, row_of
 
     def prompt_logprobs(self, reqs: list[ScheduledRequest], hidden,
                         rows) -> dict[str, list[dict[int, float]]]:

@@ -19,7 +19,7 @@ from longserve.attention.metadata import AttentionMetadata, PagedPart, SuffixSeg
 from longserve.cp_slot_mapping import compute_slot_mapping, get_dcp_local_seq_lens
 from longserve.distributed.parallel_state import ParallelState
 from longserve.host_to_device import to_device
-from longserve.step_plan import PLACEHOLDER, ScheduledRequest
+from longserve.step_plan import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from longserve.worker.block_table import map_to_kernel_blocks
 from longserve.worker.cp_utils import PCPManager
 
@@ -58,16 +58,45 @@ def build_block_table(block_ids: list[list[int]], width: int | None = None) -> n
     return table
 
 
-def prepare_step(reqs: list[ScheduledRequest], block_ids: list[list[int]], layout: CPLayout,
+@dataclass
+class StepRows:
+    """A step's requests as arrays, in plan order: the plain decodes, then `requests`."""
+    req_ids: list[str]
+    n: np.ndarray  # int64 [R]: tokens each request runs
+    computed: np.ndarray  # int64 [R]: tokens computed before the step
+    token_ids: np.ndarray  # int64 [sum(n)]: request after request (PLACEHOLDER: on the device)
+    sample: np.ndarray  # bool [R]
+    requests: list[ScheduledRequest]  # the rows after the plain decodes (prompt logprobs)
+
+    def part(self, a: int, b: int) -> StepRows:
+        """Requests [a, b) (a micro-batch); their prompt logprobs are not part of it."""
+        starts = np.concatenate(([0], np.cumsum(self.n)))
+        return StepRows(self.req_ids[a:b], self.n[a:b], self.computed[a:b],
+                        self.token_ids[starts[a]:starts[b]], self.sample[a:b], [])
+
+
+def step_rows(out: SchedulerOutput) -> StepRows:
+    d, reqs = out.decodes, out.requests
+    nd = len(d.req_ids)
+    if not reqs:  # a decode step: the columns as they came
+        return StepRows(d.req_ids, np.ones(nd, np.int64), np.array(d.num_computed, np.int64),
+                        np.array(d.token_ids, np.int64), np.ones(nd, bool), [])
+    return StepRows(d.req_ids + [r.req_id for r in reqs],
+                    np.array([1] * nd + [len(r.token_ids) for r in reqs], np.int64),
+                    np.array(d.num_computed + [r.num_computed_tokens for r in reqs], np.int64),
+                    np.array(d.token_ids + [t for r in reqs for t in r.token_ids], np.int64),
+                    np.array([True] * nd + [r.sample for r in reqs], bool), reqs)
+
+
+def prepare_step(rows: StepRows, table: np.ndarray, layout: CPLayout,
                  ps: ParallelState, pcp: PCPManager | None, device, backend) -> StepInputs:
-    n = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
-    computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+    """table: int32 [R, width], each request's block ids (build_block_table)."""
+    n, computed, token_ids = rows.n, rows.computed, rows.token_ids
+    num_reqs = len(n)
     num_decodes = int(np.sum((n == 1) & (computed > 0)))
     starts = np.concatenate(([0], np.cumsum(n)))
-    req_idx = np.repeat(np.arange(len(reqs)), n)
+    req_idx = np.repeat(np.arange(num_reqs), n)
     positions = computed[req_idx] + np.arange(starts[-1]) - starts[req_idx]
-    token_ids = np.fromiter((t for r in reqs for t in r.token_ids), np.int64, count=int(starts[-1]))
-    table = build_block_table(block_ids)
     slots = compute_slot_mapping(table, req_idx, positions, layout.block_size,
                                  layout.cp_world_size, layout.cp_rank, layout.interleave_size)
     kernel_table = to_device(map_to_kernel_blocks(table, layout.kernel_blocks_per_block), device)
@@ -75,12 +104,12 @@ def prepare_step(reqs: list[ScheduledRequest], block_ids: list[list[int]], layou
                              slot_mapping=to_device(slots, device), decode=None,
                              ps=ps, backend=backend)
     if pcp is not None and pcp.pcp_world_size > 1:
-        room = len(positions) + 2 * pcp.pcp_world_size * len(reqs)  # pads included
+        room = len(positions) + 2 * pcp.pcp_world_size * num_reqs  # pads included
         local_total, positions, req_idx = pcp.partition_inputs(
             np.resize(positions, room), np.resize(req_idx, room), n, computed, np.arange(room),
             reorder_batch_threshold=1)
         token_ids = token_ids[pcp.local_token_indices[:local_total]]
-        if num_decodes < len(reqs):  # a pure decode step already has every K/V row locally
+        if num_decodes < num_reqs:  # a pure decode step already has every K/V row locally
             meta.pcp_kv_index = pcp.restore_unpad_idx
         local_n = pcp.local_num_tokens_per_req.astype(np.int64)
     else:
@@ -93,13 +122,14 @@ def prepare_step(reqs: list[ScheduledRequest], block_ids: list[list[int]], layou
                                  kernel_table[:num_decodes], 1, device)
     add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kernel_table, layout, ps,
                       device)
-    sampling = np.array([r.sample for r in reqs])
-    logits_indices = to_device(starts[1:][sampling] - 1, device)
+    logits_indices = to_device(starts[1:][rows.sample] - 1, device)
     placeholder_rows = np.flatnonzero(token_ids == PLACEHOLDER)
+    first = num_reqs - len(rows.requests)
     return StepInputs(
         input_ids=to_device(token_ids, device), positions=to_device(positions, device),
         meta=meta, logits_indices=logits_indices, num_local_tokens=meta.num_tokens,
-        is_pure_decode=num_decodes == len(reqs), prompt_logprob_rows=prompt_logprob_rows(reqs, starts),
+        is_pure_decode=num_decodes == num_reqs,
+        prompt_logprob_rows=prompt_logprob_rows(rows.requests, starts[first:]),
         placeholder_rows=placeholder_rows if placeholder_rows.size else None,
         placeholder_reqs=req_idx[placeholder_rows] if placeholder_rows.size else None)
 
