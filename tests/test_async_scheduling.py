@@ -6,6 +6,7 @@ last step's samples; only the overlap itself is missing.
 """
 import pickle
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,6 +16,8 @@ from longserve.engine.request import Request
 from longserve.engine import executor as executor_mod
 from longserve.llm import build_engine_config
 from longserve.step_plan import PLACEHOLDER, DecodeRows, ScheduledRequest, SchedulerOutput
+from longserve.worker.model_runner import ModelRunner
+from longserve.worker.step_inputs import build_block_table
 
 MODEL = "builtin:llama-tiny"
 PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate([5, 23, 40, 9, 61, 17])]
@@ -107,6 +110,46 @@ def test_abort_while_a_step_is_in_flight(pair, pool_whole):
     assert aborted.finish_reason == "abort"
     assert [tokens[r.request_id] for r in reqs[:3]] == want
     pool_whole(asyn)
+
+
+@pytest.mark.timeout(120)
+def test_the_kept_block_table_is_the_block_lists(monkeypatch, pool_whole):
+    """While a step has the rows of the step before, the runner patches the last block table:
+    through block boundaries, finished requests and preemptions (a small pool) it equals the
+    table built afresh from the requests' block lists at every step."""
+    build, kept = ModelRunner._block_table, []
+
+    def checked(self, out, ids):
+        kept.append(self._table is not None and self._table[0] == ids)
+        table = build(self, out, ids)
+        fresh = build_block_table([self.requests[i].block_ids.view() for i in ids])
+        assert np.array_equal(table, fresh)
+        return table
+    monkeypatch.setattr(ModelRunner, "_block_table", checked)
+    with engine(True, block_size=4, num_gpu_blocks=40) as llm:
+        outs = run(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        pool_whole(llm)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    assert sum(kept) > 20 and not all(kept)
+
+
+@pytest.mark.timeout(120)
+def test_an_id_used_again_samples_with_its_new_parameters(pair):
+    """The runner keeps the sampling parameters of a run of steps with the same rows; a new
+    request under a finished one's id (same rows) brings its own."""
+    _, asyn = pair
+    got = []
+    with asyn.engine.client.paused() as core:
+        for params in (SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)):
+            req = asyn.engine.make_request({"prompt_token_ids": PROMPTS[1]}, params)
+            req.request_id = "again"
+            core.add_request(req)
+            outputs = []
+            while core.has_work():
+                outputs += core.step()
+            got.append([o.new_logprobs for o in outputs if o.new_token_ids])
+    assert all(lp is None for lp in got[0]) and all(lp and len(lp[0]) >= 1 for lp in got[1])
 
 
 def collect(outputs, tokens: dict) -> None:

@@ -260,7 +260,7 @@ class ModelRunner:
                 if len(blocks) > table.shape[1]:  # (exactly as wide as the longest row)
                     table = np.pad(table, ((0, 0), (0, len(blocks) - table.shape[1])))
                 table[row, :len(blocks)] = blocks
-                table[row, len(blocks):] = 0
+                table[row, len(blocks):] = 0  # (a victim readmitted at once starts over)
         self._table = (ids, table)
         return table
 
