@@ -135,10 +135,11 @@ class ModelRunner:
         self.dp_lockstep = config.dp_lockstep
         self.num_dbo_steps = 0  # steps run as two micro-batches
         self.kv_connector = build_worker_connector(config, ps, device)  # None without KV transfer
-        # asynchronous scheduling: the last step's sampled ids on the device and the row of
-        # each request in them; the next step's PLACEHOLDER inputs are filled from these
+        # asynchronous scheduling: the last step's sampled ids on the device, the row of each
+        # request in them and the rows' request ids; the next step's PLACEHOLDER inputs are
+        # filled from these
         self.async_scheduling = config.scheduler.async_scheduling
-        self.last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self.last_sampled: tuple[torch.Tensor, dict[str, int], list[str]] | None = None
         self._batch: tuple | None = None  # _batch_params
         self._table: tuple[list[str], np.ndarray] | None = None  # _block_table
         # prompt logprobs take logits of this many rows at a time: [rows, vocab] stays ~64 MB
@@ -289,7 +290,11 @@ class ModelRunner:
     def fill_placeholders(self, req_ids: list[str], inp: StepInputs) -> None:
         """Asynchronous scheduling: the plan's PLACEHOLDER ids are the tokens the previous
         step sampled; copy them on the device (the host never saw them)."""
-        sampled, row_of = self.last_sampled or (None, {})
+        sampled, row_of, prev = self.last_sampled or (None, {}, [])
+        k, rows = len(inp.placeholder_rows), inp.placeholder_rows
+        if rows[-1] == k - 1 and prev[:k] == req_ids[:k]:  # the first k rows, in the last order
+            inp.input_ids[:k] = sampled[:k]  # (a run of decode steps: no index on the host)
+            return
         try:
             src = [row_of[req_ids[i]] for i in inp.placeholder_reqs]
         except KeyError as e:
@@ -353,17 +358,18 @@ class ModelRunner:
                 lps = self.sampler.logprobs(logits, params, list(output.resolve().sampled.values()))
                 output.logprobs = {i: lp for i, lp in zip(ids, lps) if lp is not None}
         if self.async_scheduling:
-            self._keep_sampled(len(ids), tokens, row_of)
+            self._keep_sampled(ids, tokens, row_of)
 
-    def _keep_sampled(self, num: int, tokens: torch.Tensor | None, row_of: dict[str, int]) -> None:
-        if not num:
+    def _keep_sampled(self, ids: list[str], tokens: torch.Tensor | None,
+                      row_of: dict[str, int]) -> None:
+        if not ids:
             self.last_sampled = None
             return
         if self.ps.model.world_size > 1:  # every rank embeds the next step's ids
             if tokens is None:
-                tokens = torch.empty(num, dtype=torch.int64, device=self.device)
+                tokens = torch.empty(len(ids), dtype=torch.int64, device=self.device)
             self.ps.model.broadcast(tokens)
-        self.last_sampled = tokens, row_of
+        self.last_sampled = tokens, row_of, ids
 
     def prompt_logprobs(self, reqs: list[ScheduledRequest], hidden,
                         rows) -> dict[str, list[dict[int, float]]]:
