@@ -53,14 +53,16 @@ def _watch_kernel_compiles() -> None:
 
 
 def _variant(signature, constants, configs) -> str:
-    """What picked a variant, by argument name: its constants (constexprs, and ints equal to
-    1) and the arguments it assumed divisible by 16."""
+    """What picked a variant, by argument name: its pointers' element types, its constants
+    (constexprs, and ints equal to 1) and the arguments it assumed divisible by 16."""
     try:
         names = list(signature)
+        pointers = [f"{n} {t}" for n, t in signature.items() if str(t).startswith("*")]
         consts = [f"{names[k[0]]}={v}" for k, v in constants.items()]
         div16 = [names[k[0]] for k, attrs in (configs or [{}])[0].items()
                  if ["tt.divisibility", 16] in [list(a) for a in attrs]]
-        return f"constants {', '.join(consts)}; divisible by 16: {', '.join(div16)}"[:600]
+        return (f"pointers {', '.join(pointers)}; constants {', '.join(consts)}; "
+                f"divisible by 16: {', '.join(div16)}")[:1000]
     except Exception as e:  # another Triton's hook arguments: the stall is still logged
         return f"(variant not read: {type(e).__name__})"
 

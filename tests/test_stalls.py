@@ -19,7 +19,9 @@ def test_a_kernel_compiled_after_warm_up_is_logged(caplog):
                     signature={"q_ptr": "*bf16", "stride": "i32", "BLOCK_R": "constexpr"},
                     constants={(1,): 1, (2,): 256}, configs=[{(0,): [["tt.divisibility", 16]]}]))
         assert "compiled while serving" in caplog.text and "_paged_attn_kernel" in caplog.text
-        # the variant names itself: its constants and its arguments assumed 16-divisible
+        # the variant names itself: its pointers' types, its constants and its arguments
+        # assumed 16-divisible
+        assert "pointers q_ptr *bf16;" in caplog.text
         assert "stride=1, BLOCK_R=256" in caplog.text and "divisible by 16: q_ptr" in caplog.text
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved

@@ -313,8 +313,8 @@ def check_bitmask(device="cpu", dtype=torch.float32, N=7, V=3000, covered=2500):
 
 
 def check_compile_variants():
-    """The warm-up of the paged kernel's tile variants runs each (query buckets, decode with
-    one split and with two) on a real cache layout and leaves the cache as it was."""
+    """The warm-up of the paged kernel's tile variants runs each (query buckets, each with one
+    KV split and with two) on a real cache layout and leaves the cache as it was."""
     from longserve.attention.triton_kernels import compile_attention_variants
     kv = torch.randn(2, 4, 16, 2, 32)
     before = kv.clone()

@@ -473,10 +473,12 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
                                kv_scale: torch.Tensor | None, dtype: torch.dtype,
                                max_tokens: int, max_seqs: int) -> int:
     """Run the paged kernel once per tile variant a step can pick: each query-length bucket
-    (1, 2, 4, ... 128 rows a request), with few and with many programs, and decode with one
-    split and with several. Triton compiles a variant on first use (0.5-1.2 s: a dp=2 burst on
-    H200 compiled one mid-run); here they compile before serving, with the two merges of
-    prefill. Reads block 0 of the cache (one token a request); returns the variants run."""
+    (1, 2, 4, ... 128 rows a request), with few and with many programs, each with one KV split
+    and with several (decode at long context; and the prefix part of a small chunk over a long
+    cached prefix, whose split partials are float32: another variant, compiled mid-run in dp=2
+    bursts on H200 for 0.8-1.3 s). Triton compiles a variant on first use; here they compile
+    before serving, with the two merges of prefill. Reads block 0 of the cache (one token a
+    request); returns the variants run."""
     _, B, Hkv, D = k_cache.shape
     dev, seen = k_cache.device, set()
     ints = dict(dtype=torch.int32, device=dev)
@@ -484,7 +486,7 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
         for R in sorted({1, min(max_tokens // mql, max_seqs)} - {0}):  # requests of mql rows
             T = R * mql
             tiles = _attn_tiles(num_heads // Hkv, D, T, Hkv, mql, dev)
-            for splits in ([1, 2] if mql == 1 else [None]):
+            for splits in (1, 2):
                 if (tiles, splits) in seen:
                     continue
                 seen.add((tiles, splits))
