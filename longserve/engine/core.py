@@ -194,21 +194,20 @@ class EngineCore:
     def _outputs(self, out, finished: list[Request]) -> list[EngineCoreOutput]:
         """What each request of the applied plan gained, and every finished request's end."""
         done = {r.request_id: r for r in finished}
-        outputs = []
+        outputs, requests, num_sent = [], self.scheduler.requests, self._num_sent
         for req_id in dict.fromkeys(out.req_ids() + list(done)):
-            req = self.scheduler.requests.get(req_id) or done.get(req_id)
-            sent = self._num_sent.get(req_id)
+            req = requests.get(req_id) or done.get(req_id)
+            sent = num_sent.get(req_id)
             if req is None or sent is None:
                 continue  # aborted meanwhile: the front end already ended it
             new = req.output_token_ids[sent:]
-            if not new and req_id not in done:
-                continue
-            outputs.append(self._output(req, sent, new, req_id in done))
+            if new or req_id in done:
+                outputs.append(self._output(req, sent, new, req_id in done))
         return outputs
 
     def _output(self, req: Request, sent: int, new: list[int], finished: bool) -> EngineCoreOutput:
         params = req.sampling_params
-        o = EngineCoreOutput(req.request_id, list(new))
+        o = EngineCoreOutput(req.request_id, new)
         if params.logprobs is not None:
             o.new_logprobs = req.logprobs[sent:sent + len(new)]
         if params.prompt_logprobs is not None and sent == 0 and (new or finished):

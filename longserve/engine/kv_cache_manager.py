@@ -16,14 +16,14 @@ from collections import OrderedDict
 from longserve.engine.request import Request
 
 
-def compute_block_hashes(token_ids: list[int], tokens_per_block: int,
-                         start_hashes: list[int] | None = None) -> list[int]:
-    """Hashes of every full block of `token_ids`, extending `start_hashes`."""
-    hashes = list(start_hashes or [])
-    for i in range(len(hashes), len(token_ids) // tokens_per_block):
-        parent = hashes[-1] if hashes else None
-        block = tuple(token_ids[i * tokens_per_block:(i + 1) * tokens_per_block])
-        hashes.append(hash((parent, block)))
+def compute_block_hashes(request: Request, num_full: int, tokens_per_block: int) -> list[int]:
+    """The hash chain of the request's first `num_full` blocks, extending the one it has: each
+    block's hash covers its tokens and its parent's hash (so, the whole prefix). Only the new
+    blocks' tokens are read."""
+    hashes = list(request.block_hashes)
+    tokens = request.token_ids_slice(len(hashes) * tokens_per_block, num_full * tokens_per_block)
+    for i in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
+        hashes.append(hash((hashes[-1] if hashes else None, tuple(tokens[i:i + tokens_per_block]))))
     return hashes
 
 
@@ -82,7 +82,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         request.block_hashes = compute_block_hashes(
-            request.all_token_ids, self.tokens_per_block, request.block_hashes)
+            request, request.num_tokens // self.tokens_per_block, self.tokens_per_block)
         max_blocks = (request.num_tokens - 1) // self.tokens_per_block
         hits = []
         for h in request.block_hashes[:max_blocks]:
@@ -125,9 +125,7 @@ class KVCacheManager:
         if num_full <= request.num_cached_blocks:
             return
         if num_full > len(request.block_hashes):
-            request.block_hashes = compute_block_hashes(
-                request.token_ids_slice(0, num_full * self.tokens_per_block), self.tokens_per_block,
-                request.block_hashes)
+            request.block_hashes = compute_block_hashes(request, num_full, self.tokens_per_block)
         for i in range(request.num_cached_blocks, num_full):
             block_id, h = request.block_ids[i], request.block_hashes[i]
             if self.block_hash[block_id] is None and h not in self.cached:
