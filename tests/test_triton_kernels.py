@@ -322,6 +322,29 @@ def check_compile_variants():
     assert torch.equal(kv, before)
 
 
+def test_the_warm_up_runs_every_request_bucket_with_and_without_splits(monkeypatch):
+    """The variants a step can pick differ in BLOCK_R (the request bucket: one request and a
+    full batch past 256 share their tiles, not it) and in the output's type (float32 split
+    partials): the warm-up runs decode and prefix parts with each (it launches nothing here)."""
+    from longserve.attention import triton_kernels as tk
+    seen = set()
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):  # args[6]: where it writes (float32: the split partials)
+                seen.add((kw["BLOCK_Q"] > 1, kw["BLOCK_R"], args[6].dtype))
+            return launch
+    monkeypatch.setattr(tk, "_paged_attn_kernel", Kernel())
+    monkeypatch.setattr(tk, "_merge_kv_splits", lambda *args: None)
+    monkeypatch.setattr(tk, "merge_attn_states_triton", lambda *args, **kw: None)
+    kv = torch.zeros(2, 4, 16, 2, 32, dtype=torch.bfloat16)
+    tk.compile_attention_variants(8, kv[0], kv[1], None, torch.bfloat16, 8192, 300)
+    for prefix in (False, True):
+        for dtype in (torch.bfloat16, torch.float32):
+            assert (prefix, 256, dtype) in seen
+    assert {(False, 512, torch.bfloat16), (False, 512, torch.float32)} <= seen
+
+
 INTERPRETER_CHECKS = {
     "store_kv_fp32": lambda: check_store_kv(),
     "store_kv_bf16": lambda: check_store_kv(dtype=torch.bfloat16),
