@@ -315,7 +315,7 @@ class ModelRunner:
         output, logits = None, None
         if self.ps.pcp.rank_in_group == 0:  # the first PCP rank's TP group takes the logits
             output, logits = self._logits_here(out.requests, hidden, inp)
-        if logits is not None and self._batch_params(sampling[0])[3]:
+        if logits is not None and self._batch_params(sampling[0])[3]:  # any structured
             output.deferred = (sampling, logits)
         else:
             self._finish_sampling(output, sampling, logits)
