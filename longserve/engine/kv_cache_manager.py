@@ -95,11 +95,11 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens; False if the pool is short."""
+        end = request.num_computed_tokens + num_new_tokens
+        if not computed_blocks and end <= len(request.block_ids) * self.tokens_per_block:
+            return True  # most decode steps: the last block has room
         computed_blocks = computed_blocks or []
-        have = len(request.block_ids) + len(computed_blocks)
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
-        if need <= 0 and not computed_blocks:  # most decode steps: the last block has room
-            return True
+        need = self.blocks_needed(end) - len(request.block_ids) - len(computed_blocks)
         reusable_free = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
         if need > self.num_free_blocks - reusable_free:
             return False

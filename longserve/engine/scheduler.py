@@ -148,16 +148,14 @@ class Scheduler:
         return min(remaining, budget)
 
     def _schedule_running(self, plan: list, budget: int) -> int:
-        i, running, tpb = 0, self.running, self.kv.tokens_per_block
+        i, running = 0, self.running
         while i < len(running) and budget > 0:
             req = running[i]
             n = self._chunk_size(req, budget)
             if n == 0:
                 i += 1
                 continue
-            # (most decode steps: the last block has room, nothing to allocate)
-            while (req.num_computed_tokens + n > len(req.block_ids) * tpb
-                   and not self.kv.allocate_slots(req, n)):
+            while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
                 if victim is req and i == 0:  # alone, and the whole pool cannot hold it
                     self._finish_outgrown(req)
@@ -297,7 +295,11 @@ class Scheduler:
         prefix cache, finished requests leave; returns the finished. A request preempted
         while the step ran still gets its token (it is recomputed with it)."""
         finished, self._finished_in_schedule = self._finished_in_schedule, []
-        self._apply_decodes(out.decodes.req_ids, sampled, logprobs, finished)
+        for rid in out.decodes.req_ids:  # (each sampled one token)
+            req = self.requests.get(rid)
+            if req is not None:  # (else finished or aborted meanwhile)
+                req.num_steps_in_flight -= 1
+                self._take_token(req, sampled.get(rid), logprobs, finished)
         for sr in out.requests:
             req = self.requests.get(sr.req_id)
             if req is None:
@@ -305,41 +307,27 @@ class Scheduler:
             req.num_steps_in_flight -= 1
             if prompt_logprobs and sr.req_id in prompt_logprobs:
                 self._add_prompt_logprobs(req, sr, prompt_logprobs[sr.req_id])
-            token = sampled.get(sr.req_id) if sr.sample else None
             if sr.sample:
-                req.num_output_placeholders -= 1
-                if token is not None and req.sampling_params.max_tokens != 0:
-                    req.output_token_ids.append(token)
-                    if logprobs and sr.req_id in logprobs:
-                        req.logprobs.append(logprobs[sr.req_id])
-            if req.status == RequestStatus.RUNNING:
+                self._take_token(req, sampled.get(sr.req_id), logprobs, finished)
+            elif req.status == RequestStatus.RUNNING:
                 self.kv.cache_full_blocks(req)
-            if token is not None and self._check_stop(req):
-                finished.append(req)
         for req in finished:
             if not req.is_finished:
                 self.finish_request(req.request_id, req.finish_reason)
         return finished
 
-    def _apply_decodes(self, req_ids: list[str], sampled: dict[str, int], logprobs, finished: list) -> None:
-        """update_from_output for the plain decodes (each sampled one token)."""
-        requests, running, tpb = self.requests, RequestStatus.RUNNING, self.kv.tokens_per_block
-        for rid in req_ids:
-            req = requests.get(rid)
-            if req is None:
-                continue  # finished or aborted meanwhile
-            req.num_steps_in_flight -= 1
-            req.num_output_placeholders -= 1
-            token = sampled.get(rid)
-            if token is not None:
-                req.output_token_ids.append(token)
-                if logprobs and rid in logprobs:
-                    req.logprobs.append(logprobs[rid])
-            # (a block filled: once in tokens_per_block steps)
-            if req.status == running and req.num_computed_tokens >= (req.num_cached_blocks + 1) * tpb:
-                self.kv.cache_full_blocks(req)
-            if token is not None and self._check_stop(req):
-                finished.append(req)
+    def _take_token(self, req: Request, token: int | None, logprobs, finished: list) -> None:
+        """A sampling chunk's result: its token (None: the plan was applied without results)
+        replaces the placeholder; full blocks enter the prefix cache; a stop ends it."""
+        req.num_output_placeholders -= 1
+        if token is not None and req.sampling_params.max_tokens != 0:
+            req.output_token_ids.append(token)
+            if logprobs and req.request_id in logprobs:
+                req.logprobs.append(logprobs[req.request_id])
+        if req.status == RequestStatus.RUNNING:
+            self.kv.cache_full_blocks(req)
+        if token is not None and self._check_stop(req):
+            finished.append(req)
 
     @staticmethod
     def _add_prompt_logprobs(req: Request, sr: ScheduledRequest, entries: list) -> None:
