@@ -57,7 +57,7 @@ def profile_steps(core, steps: int) -> None:
     events = prof.key_averages()
     busy_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     print(f"profile: {wall_ms:.2f} ms a step, the device busy {busy_ms:.2f} ms of it", flush=True)
-    print(events.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=25), flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
 
 
@@ -67,7 +67,7 @@ def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0):
     such steps under the profiler."""
     reqs = []
     for prompt in prompts:
-        req = engine.make_request(prompt, SamplingParams(max_tokens=decode, ignore_eos=True))
+        req = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True))
         core.add_request(req)
         reqs.append(core.scheduler.requests[req.request_id])
     t0, prefill_s, step_times = time.perf_counter(), None, []
@@ -89,7 +89,7 @@ def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0):
 def load_run(llm, prompts, args, kv_cache_dtype: str) -> float:
     """--load: the batch as one offline generate (prefill, preemptions and all); output tok/s."""
     t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=args.decode, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.decode, ignore_eos=True), use_tqdm=False)
     dt = time.perf_counter() - t
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = max(o.metrics["time_to_first_token"] for o in outs)  # every prompt prefilled by then

@@ -132,7 +132,7 @@ def bench_dense(args) -> list[dict]:
     path = model_folder(args.model or "builtin:qwen3-0.6b-shape", args.num_layers)
     n = args.batches[0]
     one = run_one(path, args, n)
-    two = run_one(path, args, 2 * n, data_parallel_size=2)
+    two = run_one(path, args, n if args.same_prompts else 2 * n, data_parallel_size=2)
     two["speedup_vs_dp1"] = round(two["output_tok_s"] / one["output_tok_s"], 3)
     return [one, two]
 
@@ -184,6 +184,9 @@ def main() -> None:
                    help="dense: prompts per DP rank; moe: batch sizes to sweep")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--same-prompts", action="store_true",
+                   help="dense: dp=2 takes the same prompts as dp=1 (half a rank, as a server's "
+                        "balancer splits them), not as many again")
     p.add_argument("--dbo-decode-threshold", type=int, default=32)
     p.add_argument("--bw", type=float, default=3.35e12, help="HBM bytes/s for the floor (H100)")
     p.add_argument("--layouts", nargs="+", default=["tp2", "dp2ep", "dp2ep-dbo"],

@@ -172,30 +172,53 @@ async def send_all(url: str, model: str, prompts: list, max_tokens: int, delays,
                                       for p, d in zip(prompts, delays)])
 
 
-def client_part(*args) -> list:  # in a client process of its own
+def client_part(*args) -> list:
     return asyncio.run(send_all(*args))
 
 
+def pooled_client_part(*args) -> tuple[int, list]:  # in a client process of its own
+    return os.getpid(), client_part(*args)
+
+
+class Clients:
+    """`procs` client processes, started once for the whole sweep. Each imports this script
+    (and torch) when it starts, seconds on a busy host: a run's clock starts only once every
+    one is ready, else the late ones send their share of an "all at once" burst a second late."""
+
+    def __init__(self, procs: int):
+        from multiprocessing import get_context
+        ctx = get_context("spawn")
+        ready = ctx.Barrier(procs + 1)
+        self.procs, self.pool = procs, ctx.Pool(procs, initializer=ready.wait)
+        ready.wait(timeout=300)
+
+    def run(self, url: str, model: str, prompts: list, max_tokens: int, delays) -> list:
+        """Every k-th request from client k; the responses in the prompts' order."""
+        t0 = time.perf_counter() + 0.2  # perf_counter is system-wide: one clock for all
+        parts = [self.pool.apply_async(pooled_client_part, (url, model, prompts[k::self.procs],
+                                                            max_tokens, delays[k::self.procs], t0))
+                 for k in range(self.procs)]
+        pids, parts = zip(*(p.get() for p in parts))
+        assert len(set(pids)) == self.procs, "a client process ran two parts one after the other"
+        return [parts[i % self.procs][i // self.procs] for i in range(len(prompts))]
+
+    def close(self) -> None:
+        self.pool.terminate()
+
+
 def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, seed: int,
-             procs: int = 1, server_pid: int | None = None) -> dict:
-    """procs > 1: the requests go from that many client processes (every k-th request each,
-    on one clock: perf_counter is system-wide), so parsing the SSE stream is not one core's.
-    server_pid: also the front end's CPU time per output token (API servers, not cores)."""
+             clients: Clients | None = None, server_pid: int | None = None) -> dict:
+    """clients: send from those processes (every k-th request each, on one clock), so parsing
+    the SSE stream is not one core's; else from this one. server_pid: also the front end's CPU
+    time per output token (API servers, not cores)."""
     cpu0 = front_end_cpu_s(server_pid)
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
     delays = np.cumsum(gaps) - gaps[0]
-    if procs == 1:
+    if clients is None:
         res = client_part(url, model, prompts, max_tokens, delays, time.perf_counter())
     else:
-        from concurrent.futures import ProcessPoolExecutor
-        from multiprocessing import get_context
-        t0 = time.perf_counter() + 2.0  # the clients start first
-        with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
-            parts = [pool.submit(client_part, url, model, prompts[k::procs], max_tokens, delays[k::procs], t0)
-                     for k in range(procs)]
-            parts = [p.result() for p in parts]
-        res = [parts[i % procs][i // procs] for i in range(len(prompts))]
+        res = clients.run(url, model, prompts, max_tokens, delays)
     assert all(r["tokens"] == max_tokens for r in res), "a request came back short"
     span = max(r["done"] for r in res) - min(r["sent"] for r in res)
     ttft = np.array([r["ttft"] for r in res])
@@ -205,7 +228,9 @@ def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, 
     slowest = [dict(index=int(i), sent_s=round(res[i]["sent"] - t_first, 2), ttft_ms=round(1e3 * ttft[i], 1))
                for i in np.argsort(-ttft)[:4]]  # where a TTFT tail comes from
     n_out = sum(r["tokens"] for r in res)
+    done = np.array([r["done"] - t_first for r in res])  # a tail of late finishers: imbalance
     return dict(rate=rate, duration_s=round(span, 3), req_s=round(len(res) / span, 3),
+                done_s_p10_p50_p90_max=[round(float(np.percentile(done, q)), 3) for q in (10, 50, 90, 100)],
                 out_tok_s=round(n_out / span, 1),
                 front_end_cpu_us_per_token=round(1e6 * (front_end_cpu_s(server_pid) - cpu0) / n_out, 1),
                 ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(itl, 50),
@@ -214,14 +239,19 @@ def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, 
 
 def sweep(args, model: str, vocab: int, url: str, server_pid: int | None = None) -> list[dict]:
     n = args.num_prompts
-    if not args.no_warm_up:
-        warm = random_prompts(vocab, n, args.input_len, 7)  # the same batch shapes as the timed runs
-        run_rate(url, model, warm, 8, float("inf"), 0, args.client_procs)
-    rows = []
-    for i, rate in enumerate(float(r) for r in args.rates.split(",")):
-        prompts = random_prompts(vocab, n, args.input_len, 100 + i)  # no prefix-cache hits
-        rows.append(run_rate(url, model, prompts, args.output_len, rate, i, args.client_procs, server_pid))
-        print(json.dumps(rows[-1]), flush=True)
+    clients = Clients(args.client_procs) if args.client_procs > 1 else None
+    try:
+        if not args.no_warm_up:
+            warm = random_prompts(vocab, n, args.input_len, 7)  # the same batch shapes as the timed runs
+            run_rate(url, model, warm, 8, float("inf"), 0, clients)
+        rows = []
+        for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+            prompts = random_prompts(vocab, n, args.input_len, 100 + i)  # no prefix-cache hits
+            rows.append(run_rate(url, model, prompts, args.output_len, rate, i, clients, server_pid))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if clients is not None:
+            clients.close()
     return rows
 
 
