@@ -124,6 +124,7 @@ class KVBlockZeroer:
         self.num_blocks = min((v.shape[1] for v in self.views), default=0)
         if self.use_triton and self.views:
             self._build_segment_table()
+            self.zero_block_ids([0])  # compiles the kernel now, not in a request's first step
 
     def _build_segment_table(self) -> None:
         """(address, page bytes) of K and V of block 0 of each buffer; chunking that fits all."""
