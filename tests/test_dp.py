@@ -108,7 +108,8 @@ def test_balancer_spreads_and_pins(models):
                             for d in range(2)]
         llm.generate(prompts(), SamplingParams(max_tokens=2), use_tqdm=False)
         spread = computed()
-        assert all(n > 0 for n in spread)  # both cores took requests
+        # one burst from one front end: three requests each, whenever the cores reported
+        assert [s.num_added for s in llm.engine.coordinator.stats] == [(3,), (3,)]
         llm.generate(prompts(seed=4), SamplingParams(max_tokens=2), use_tqdm=False,  # no prefix hit
                      data_parallel_rank=1)
         pinned = computed()
@@ -173,24 +174,30 @@ def test_balanced_split_minimises_the_larger_micro_batch(tokens):
     assert larger(k) == min(larger(j) for j in range(1, len(tokens)))
 
 
-@given(st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 2)), st.integers(0, 3)),
+@given(st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 2)), st.integers(0, 3), st.integers(0, 4)),
                 min_size=1, max_size=30),
        st.sets(st.integers(0, 2), max_size=2))
-def test_balancer_picks_the_least_loaded_live_core_or_the_pinned_one(events, dead):
-    """Each request goes to its pinned core, else to the live core with the least
-    4 x waiting + running (waiting counting what was sent since its last report)."""
-    coord = DPCoordinator(3, lockstep=False)
+def test_balancer_picks_the_live_core_with_fewest_requests_or_the_pinned_one(events, dead):
+    """Each request goes to its pinned core, else to the live core with the fewest requests:
+    running and waiting as it last reported, plus ours it had not taken by then; ties to the
+    first counting from this front end's index (1)."""
+    coord = DPCoordinator(3, lockstep=False, front_end=1)
     coord.dead |= dead
-    for pin, report in events:
-        if report:  # core `report - 1` reports its load (running = 1 for every 2 sent)
+    sent, reported = [0, 0, 0], [(0, 0)] * 3  # ours sent; (requests there, ours taken) reported
+    for pin, report, lag in events:
+        if report:  # core `report - 1` reports, having taken all but `lag` of ours (others' too)
             core = report - 1
-            coord.on_stats(core, SchedulerStats(num_running=coord.sent[core] // 2,
-                                                num_waiting=coord.sent[core] - coord.sent[core] // 2))
-        load = [4 * (s.num_waiting + n) + s.num_running for s, n in zip(coord.stats, coord.sent)]
+            taken = max(0, sent[core] - lag)
+            running = taken // 2 + 1  # one of another front end's
+            coord.on_stats(core, SchedulerStats(num_running=running, num_waiting=taken - taken // 2,
+                                                num_added=(5, taken)))
+            reported[core] = (taken + 1, taken)
+        load = [n + sent[i] - taken for i, (n, taken) in enumerate(reported)]
         chosen = coord.choose(pin)
         live = [i for i in range(3) if i not in dead]
-        assert chosen == (pin if pin is not None else min(live, key=lambda i: (load[i], i)))
+        assert chosen == (pin if pin is not None else min(live, key=lambda i: (load[i], (i - 1) % 3)))
         coord.on_send(chosen)
+        sent[chosen] += 1
 
 
 def test_waves_start_once_and_follow_the_cores():

@@ -434,7 +434,7 @@ class InprocClient:
             self.on_outputs(msg)
 
     def add_request(self, core: int, request) -> None:
-        self.inputs.put((ADD, request))
+        self.inputs.put((ADD, (request, 0)))
 
     def abort(self, core: int, request_ids: list[str]) -> None:
         self.inputs.put((ABORT, request_ids))

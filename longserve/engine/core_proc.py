@@ -76,8 +76,9 @@ class Owners:
 class EngineCoreProc:
     """The busy loop over an EngineCore: commands from `inputs`, outputs to `emit`."""
 
-    def __init__(self, core: EngineCore, inputs: queue.Queue, emit):
+    def __init__(self, core: EngineCore, inputs: queue.Queue, emit, num_front_ends: int = 1):
         self.core, self.inputs, self.emit = core, inputs, emit
+        self.num_added = [0] * num_front_ends  # requests taken from each front end
         self.index, self.lockstep = core.engine_index, core.config.dp_lockstep
         self.wave, self.wave_running = 0, False
         self.stopping = self.stop_after_wave = False
@@ -89,12 +90,17 @@ class EngineCoreProc:
                 continue
             if not self._busy():
                 if applied:  # e.g. an abort while idle freed blocks: the front end's view
-                    self.emit(EngineCoreOutputs(self.index, stats=self.core.scheduler_stats()))
+                    self.emit(EngineCoreOutputs(self.index, stats=self._stats()))
                 continue
             outputs = self.core.step(lockstep=self.lockstep)
             if self.lockstep:
                 outputs += self._end_of_wave_check()
-            self.emit(EngineCoreOutputs(self.index, outputs, self.core.scheduler_stats()))
+            self.emit(EngineCoreOutputs(self.index, outputs, self._stats()))
+
+    def _stats(self):
+        stats = self.core.scheduler_stats()
+        stats.num_added = tuple(self.num_added)
+        return stats
 
     def _busy(self) -> bool:
         return self.wave_running if self.lockstep else self.core.has_work()
@@ -114,7 +120,9 @@ class EngineCoreProc:
 
     def _apply(self, kind: bytes, payload) -> None:
         if kind == ADD:
-            self.core.add_request(payload)
+            request, front_end = payload
+            self.core.add_request(request)
+            self.num_added[front_end] += 1
             if self.lockstep and not self.wave_running:  # the others must join this wave
                 self.wave_running = True
                 self.emit(EngineCoreOutputs(self.index, wave_started=self.wave))
@@ -201,7 +209,7 @@ def _serve(config, engine_index: int, addresses: CoreAddresses, dealers: list, o
     inputs: queue.Queue = queue.Queue()
     threading.Thread(target=_receive_inputs, args=(dealers, inputs, owners), name="longserve-core-input",
                      daemon=True).start()
-    proc = EngineCoreProc(core, inputs, outputs.put)
+    proc = EngineCoreProc(core, inputs, outputs.put, len(dealers))
     try:
         proc.run()
     except BaseException as e:  # a fatal error inside a step: say why, then go
@@ -224,7 +232,9 @@ def _receive_inputs(dealers: list, inputs: queue.Queue, owners: Owners) -> None:
                 kind, payload = dealer.recv_multipart()
                 command = decode_command(kind, payload)
                 if kind == ADD:
-                    owners.add(command.choice_ids, dealers.index(dealer))
+                    front_end = dealers.index(dealer)
+                    owners.add(command.choice_ids, front_end)
+                    command = (command, front_end)
                 elif kind == ABORT:
                     owners.drop(command)
                 inputs.put((kind, command))

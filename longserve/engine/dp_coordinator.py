@@ -1,9 +1,15 @@
 """Data parallelism in the front end: which engine core takes a request, and the waves.
 
 Each core reports its load with every step (`SchedulerStats`); a new request goes to the
-live core with the lowest `4 x waiting + running` (vLLM's rule; requests sent since that
-core's last report count as waiting), unless it pins a rank. Dense models' cores step on
-their own. Expert models' cores step in lockstep waves (engine/core_proc.py): when a request
+live core with the fewest requests, unless it pins a rank: running, waiting, and those this
+front end sent that the core had not taken when it reported (each report counts the
+requests it took from each front end). vLLM weighs waiting requests 4x; in a burst that
+sends more to the core that admits prefills sooner (equal weighted loads with more of its
+requests running), and the batches, and so the steps, end up uneven (138 / 118 of 256 at
+dp=2); a request waiting only for its prefill chunk costs no more than one in its first
+chunk. Ties go to the first core counting from this front end's index: every API server sees
+the same reports, so with one tie-break they would all pick the same core (again 138 / 118).
+Dense models' cores step on their own. Expert models' cores step in lockstep waves (engine/core_proc.py): when a request
 goes out while the cores are idle, every core is told to start the wave; a core that started
 a wave by itself (its view was newer than ours) says so and the others are told the same."""
 from __future__ import annotations
@@ -12,9 +18,10 @@ from longserve.engine.messages import SchedulerStats
 
 
 class DPCoordinator:
-    def __init__(self, num_cores: int, lockstep: bool):
+    def __init__(self, num_cores: int, lockstep: bool, front_end: int = 0):
         self.stats = [SchedulerStats() for _ in range(num_cores)]
-        self.sent = [0] * num_cores  # requests sent since the core's last report
+        self.num_sent = [0] * num_cores  # requests this front end sent each core, ever
+        self.front_end = front_end  # which of the cores' per-front-end counts is ours
         self.dead: set[int] = set()
         self.lockstep = lockstep
         self.wave, self.wave_running = 0, False
@@ -23,23 +30,29 @@ class DPCoordinator:
     def num_cores(self) -> int:
         return len(self.stats)
 
+    def in_flight(self, core: int) -> int:
+        """Requests sent to `core` that it had not taken at its last report."""
+        taken = self.stats[core].num_added
+        return self.num_sent[core] - (taken[self.front_end] if self.front_end < len(taken) else 0)
+
     def choose(self, pinned: int | None) -> int:
         if pinned is not None:
             return pinned
-        load = [4 * (s.num_waiting + n) + s.num_running for s, n in zip(self.stats, self.sent)]
         live = [i for i in range(self.num_cores) if i not in self.dead]
-        return min(live, key=lambda i: (load[i], self.stats[i].kv_usage, i))
+        load = {i: self.stats[i].num_waiting + self.stats[i].num_running + self.in_flight(i)
+                for i in live}
+        return min(live, key=lambda i: (load[i], (i - self.front_end) % self.num_cores))
 
     def on_send(self, core: int) -> int | None:
         """A request goes to `core`: the wave to announce to every core, if they are idle."""
-        self.sent[core] += 1
+        self.num_sent[core] += 1
         if not self.lockstep or self.wave_running:
             return None
         self.wave_running = True
         return self.wave
 
     def on_stats(self, core: int, stats: SchedulerStats) -> None:
-        self.stats[core], self.sent[core] = stats, 0
+        self.stats[core] = stats
 
     def on_wave_started(self, wave: int) -> int | None:
         """A core began `wave` by itself: the wave to announce to the others, if news to us."""

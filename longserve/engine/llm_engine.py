@@ -50,7 +50,8 @@ class LLMEngine:
         self._closed = False
         self._ids = itertools.count()
         self._id_prefix = f"{front_end.index}-" if front_end else ""  # unique over front ends
-        self.coordinator = DPCoordinator(config.parallel.data_parallel_size, config.dp_lockstep)
+        self.coordinator = DPCoordinator(config.parallel.data_parallel_size, config.dp_lockstep,
+                                         front_end.index if front_end else 0)
         if front_end is not None or use_multiprocessing(config):
             self.client = MPClient(config, self._on_outputs, self._on_dead, front_end)
             self.client.start()
@@ -223,8 +224,11 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         """Requests waiting in the cores or on their way to them, from every front end as the
-        cores last reported, plus those this one sent since (racy: admission and gauges)."""
-        return self.coordinator.total("num_waiting") + sum(self.coordinator.sent)
+        cores last reported, plus this one's that they had not taken by then (racy: admission
+        and gauges)."""
+        c = self.coordinator
+        live = [i for i in range(c.num_cores) if i not in c.dead]
+        return c.total("num_waiting") + sum(c.in_flight(i) for i in live)
 
     def kv_cache_usage(self) -> float:
         return self.coordinator.kv_usage()

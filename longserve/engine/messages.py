@@ -61,10 +61,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_blocks: int = 1
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+    # requests the core has taken from each front end (API server), ever: a front end's
+    # requests not counted here yet are still on their way (the balancer's in-flight count)
+    num_added: tuple[int, ...] = ()
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
