@@ -179,9 +179,10 @@ def test_balanced_split_minimises_the_larger_micro_batch(tokens):
        st.sets(st.integers(0, 2), max_size=2))
 def test_balancer_picks_the_live_core_with_fewest_requests_or_the_pinned_one(events, dead):
     """Each request goes to its pinned core, else to the live core with the fewest requests:
-    running and waiting as it last reported, plus ours it had not taken by then; ties to the
-    first counting from this front end's index (1)."""
-    coord = DPCoordinator(3, lockstep=False, front_end=1)
+    running and waiting as it last reported, plus ours it had not taken by then, counted once
+    for each of the 2 front ends (the other's are unknown); ties to the first counting from
+    this front end's index (1)."""
+    coord = DPCoordinator(3, lockstep=False, front_end=1, num_front_ends=2)
     coord.dead |= dead
     sent, reported = [0, 0, 0], [(0, 0)] * 3  # ours sent; (requests there, ours taken) reported
     for pin, report, lag in events:
@@ -192,12 +193,54 @@ def test_balancer_picks_the_live_core_with_fewest_requests_or_the_pinned_one(eve
             coord.on_stats(core, SchedulerStats(num_running=running, num_waiting=taken - taken // 2,
                                                 num_added=(5, taken)))
             reported[core] = (taken + 1, taken)
-        load = [n + sent[i] - taken for i, (n, taken) in enumerate(reported)]
+        load = [n + 2 * (sent[i] - taken) for i, (n, taken) in enumerate(reported)]
         chosen = coord.choose(pin)
         live = [i for i in range(3) if i not in dead]
         assert chosen == (pin if pin is not None else min(live, key=lambda i: (load[i], (i - 1) % 3)))
         coord.on_send(chosen)
         sent[chosen] += 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_burst_through_two_api_servers_splits_evenly_over_stale_reports(seed):
+    """256 requests reach two front ends (2:1) over ~200 ms; two cores take them between
+    15 ms prefill steps (8 admitted a step) and report after each. Every core ends with
+    128 +- 1: counts from the reports plus what is on its way, not 4 x waiting + running."""
+    import heapq
+    import itertools
+    import random
+    rnd, order = random.Random(seed), itertools.count()  # order: a tie-break for the heap
+    fronts = [DPCoordinator(2, lockstep=False, front_end=k, num_front_ends=2) for k in range(2)]
+    cores = [dict(queue=[], waiting=0, running=0, added=[0, 0]) for _ in range(2)]
+    events = []
+    at = lambda t, kind, x: heapq.heappush(events, (t, next(order), kind, x))  # noqa: E731
+    for i in range(256):
+        at(i * 0.75 + rnd.uniform(0, 0.5), "send", 0 if i % 3 else 1)
+    for c in range(2):
+        at(rnd.uniform(0, 10), "step", c)
+    while events:
+        t, _, kind, x = heapq.heappop(events)
+        if kind == "send":
+            core = fronts[x].choose(None)
+            fronts[x].on_send(core)
+            at(t + 0.2, "arrive", (core, x))
+        elif kind == "arrive":
+            cores[x[0]]["queue"].append(x[1])
+        elif kind == "step":
+            c = cores[x]
+            for k in c["queue"]:
+                c["waiting"], c["added"][k] = c["waiting"] + 1, c["added"][k] + 1
+            admitted = min(8, c["waiting"])
+            c.update(queue=[], waiting=c["waiting"] - admitted, running=c["running"] + admitted)
+            stats = SchedulerStats(c["running"], c["waiting"], num_added=tuple(c["added"]))
+            took = 15 * rnd.uniform(0.8, 1.2)
+            for front in fronts:  # reports land 0.2 ms after the step
+                at(t + took + 0.2, "report", (front, x, stats))
+            if t < 600:
+                at(t + took, "step", x)
+        else:
+            x[0].on_stats(x[1], x[2])
+    assert [c["running"] for c in cores] in ([128, 128], [127, 129], [129, 127])
 
 
 def test_waves_start_once_and_follow_the_cores():

@@ -7,8 +7,11 @@ requests it took from each front end). vLLM weighs waiting requests 4x; in a bur
 sends more to the core that admits prefills sooner (equal weighted loads with more of its
 requests running), and the batches, and so the steps, end up uneven (138 / 118 of 256 at
 dp=2); a request waiting only for its prefill chunk costs no more than one in its first
-chunk. Ties go to the first core counting from this front end's index: every API server sees
-the same reports, so with one tie-break they would all pick the same core (again 138 / 118).
+chunk. What the other API servers sent since a report is not known here: it is taken to be as much
+as this one sent (the kernel spreads connections evenly), else while a core's report is stale
+every API server fills the same gap (vLLM counts a send as many times as there are clients).
+Ties go to the first core counting from this front end's index: every API server sees the
+same reports, so with one tie-break they would all pick the same core.
 Dense models' cores step on their own. Expert models' cores step in lockstep waves (engine/core_proc.py): when a request
 goes out while the cores are idle, every core is told to start the wave; a core that started
 a wave by itself (its view was newer than ours) says so and the others are told the same."""
@@ -18,10 +21,11 @@ from longserve.engine.messages import SchedulerStats
 
 
 class DPCoordinator:
-    def __init__(self, num_cores: int, lockstep: bool, front_end: int = 0):
+    def __init__(self, num_cores: int, lockstep: bool, front_end: int = 0, num_front_ends: int = 1):
         self.stats = [SchedulerStats() for _ in range(num_cores)]
         self.num_sent = [0] * num_cores  # requests this front end sent each core, ever
         self.front_end = front_end  # which of the cores' per-front-end counts is ours
+        self.num_front_ends = num_front_ends
         self.dead: set[int] = set()
         self.lockstep = lockstep
         self.wave, self.wave_running = 0, False
@@ -39,8 +43,8 @@ class DPCoordinator:
         if pinned is not None:
             return pinned
         live = [i for i in range(self.num_cores) if i not in self.dead]
-        load = {i: self.stats[i].num_waiting + self.stats[i].num_running + self.in_flight(i)
-                for i in live}
+        load = {i: self.stats[i].num_waiting + self.stats[i].num_running
+                + self.num_front_ends * self.in_flight(i) for i in live}
         return min(live, key=lambda i: (load[i], (i - self.front_end) % self.num_cores))
 
     def on_send(self, core: int) -> int | None:

@@ -51,7 +51,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._id_prefix = f"{front_end.index}-" if front_end else ""  # unique over front ends
         self.coordinator = DPCoordinator(config.parallel.data_parallel_size, config.dp_lockstep,
-                                         front_end.index if front_end else 0)
+                                         *((front_end.index, len(front_end.addresses.inputs))
+                                           if front_end else (0, 1)))
         if front_end is not None or use_multiprocessing(config):
             self.client = MPClient(config, self._on_outputs, self._on_dead, front_end)
             self.client.start()
