@@ -121,8 +121,8 @@ class EngineCoreProc:
     def _apply(self, kind: bytes, payload) -> None:
         if kind == ADD:
             request, front_end = payload
+            self.num_added[front_end] += 1  # taken, whatever becomes of it
             self.core.add_request(request)
-            self.num_added[front_end] += 1
             if self.lockstep and not self.wave_running:  # the others must join this wave
                 self.wave_running = True
                 self.emit(EngineCoreOutputs(self.index, wave_started=self.wave))

@@ -1,20 +1,20 @@
 """Data parallelism in the front end: which engine core takes a request, and the waves.
 
-Each core reports its load with every step (`SchedulerStats`); a new request goes to the
-live core with the fewest requests, unless it pins a rank: running, waiting, and those this
-front end sent that the core had not taken when it reported (each report counts the
-requests it took from each front end). vLLM weighs waiting requests 4x; in a burst that
-sends more to the core that admits prefills sooner (equal weighted loads with more of its
-requests running), and the batches, and so the steps, end up uneven (138 / 118 of 256 at
-dp=2); a request waiting only for its prefill chunk costs no more than one in its first
-chunk. What the other API servers sent since a report is not known here: it is taken to be as much
-as this one sent (the kernel spreads connections evenly), else while a core's report is stale
-every API server fills the same gap (vLLM counts a send as many times as there are clients).
-Ties go to the first core counting from this front end's index: every API server sees the
-same reports, so with one tie-break they would all pick the same core.
-Dense models' cores step on their own. Expert models' cores step in lockstep waves (engine/core_proc.py): when a request
-goes out while the cores are idle, every core is told to start the wave; a core that started
-a wave by itself (its view was newer than ours) says so and the others are told the same."""
+A request goes to the live core with the fewest requests, unless it pins a rank: running and
+waiting as the core last reported (`SchedulerStats`, with every step), plus this front end's
+requests that the core had not taken by then (each report counts the requests the core took
+from each front end), counted once for each API server: what the others sent since is not
+known here, and taking it as ours keeps them from all filling the same stale gap (vLLM counts
+a send `client_count` times). Ties go to the first core counting from this front end's index,
+since every API server sees the same reports. vLLM weighs waiting requests 4x; in a burst
+that sends more to a core that admits prefills sooner (its requests already run), and the
+batches, so the steps, end up uneven (138 / 118 of 256 at dp=2), though a request waiting for
+its first prefill chunk costs no more than one in it.
+
+Dense models' cores step on their own. Expert models' cores step in lockstep waves
+(engine/core_proc.py): when a request goes out while the cores are idle, every core is told
+to start the wave; a core that started a wave by itself (its view was newer than ours) says
+so and the others are told the same."""
 from __future__ import annotations
 
 from longserve.engine.messages import SchedulerStats
