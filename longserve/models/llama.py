@@ -141,6 +141,10 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return None if logits is None else logits.float()
 
+    def greedy_tokens(self, hidden):
+        """[N, hidden] -> the argmax ids [N] on the first TP rank, None on the others."""
+        return self.lm_head.greedy(hidden)
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 

@@ -313,12 +313,13 @@ class ModelRunner:
         sampling = (out.sampling_req_ids(),
                     d.seed_offsets + [r.seed_offset for r in out.requests if r.sample])
         output, logits = None, None
+        _, _, _, structured, _, greedy = self._batch_params(sampling[0])
         if self.ps.pcp.rank_in_group == 0:  # the first PCP rank's TP group takes the logits
-            output, logits = self._logits_here(out.requests, hidden, inp)
-        if logits is not None and self._batch_params(sampling[0])[3]:  # any structured
+            output, logits = self._logits_here(out.requests, hidden, inp, greedy)
+        if logits is not None and structured:
             output.deferred = (sampling, logits)
         else:
-            self._finish_sampling(output, sampling, logits)
+            self._finish_sampling(output, sampling, logits, greedy)
         return output
 
     def sample_deferred(self, output: ModelRunnerOutput, bitmask: tuple) -> None:
@@ -327,32 +328,39 @@ class ModelRunner:
         apply_token_bitmask(logits, *bitmask)
         self._finish_sampling(output, sampling, logits)
 
-    def _logits_here(self, reqs, hidden, inp):
+    def _logits_here(self, reqs, hidden, inp, greedy: bool):
+        """(output, the rows' logits) on the first TP rank; greedy: their argmax ids instead."""
         prompt_lps = {}
         if inp.prompt_logprob_rows is not None:  # every TP rank joins the logits gathers
             prompt_lps = self.prompt_logprobs(reqs, hidden, inp.prompt_logprob_rows)
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        rows = hidden[inp.logits_indices]
+        logits = self.model.greedy_tokens(rows) if greedy else self.model.compute_logits(rows)
         if logits is None:
             return None, None
         return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps), logits
 
     def _batch_params(self, ids: list[str]) -> tuple:
-        """(params, logit biases, row of each id, any structured, any logprobs) of the sampling
-        rows; kept while the rows stay the same (a run of decode steps pays for it once)."""
+        """(params, logit biases, row of each id, any structured, any logprobs, plain greedy)
+        of the sampling rows; kept while the rows stay the same (a run of decode steps pays for
+        it once). Plain greedy: every row's token is the argmax, nothing else is asked."""
         if self._batch is None or self._batch[0] != ids:
             params = [self.requests[i].sampling_params for i in ids]
-            self._batch = (ids, params, [self.requests[i].logit_bias for i in ids],
-                           {rid: i for i, rid in enumerate(ids)},
-                           any(p.structured_outputs for p in params),
-                           any(p.logprobs is not None for p in params))
+            biases = [self.requests[i].logit_bias for i in ids]
+            structured = any(p.structured_outputs for p in params)
+            logprobs = any(p.logprobs is not None for p in params)
+            greedy = (not structured and not logprobs and all(b is None for b in biases)
+                      and all(p.greedy for p in params))
+            self._batch = (ids, params, biases, {rid: i for i, rid in enumerate(ids)},
+                           structured, logprobs, greedy)
         return self._batch[1:]
 
-    def _finish_sampling(self, output, sampling, logits) -> None:
+    def _finish_sampling(self, output, sampling, logits, greedy: bool = False) -> None:
+        """logits: the rows' logits on the first TP rank (greedy: already their argmax ids)."""
         ids, seed_offsets = sampling
         tokens = None
-        params, biases, row_of, _, any_logprobs = self._batch_params(ids)
+        params, biases, row_of, _, any_logprobs, _ = self._batch_params(ids)
         if logits is not None:
-            tokens = self.sampler(logits, params, seed_offsets, biases)
+            tokens = logits if greedy else self.sampler(logits, params, seed_offsets, biases)
             output.pending = (ids, SampledTokens(tokens))
             if any_logprobs:  # these need the ids now
                 lps = self.sampler.logprobs(logits, params, list(output.resolve().sampled.values()))
