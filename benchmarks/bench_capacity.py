@@ -47,6 +47,7 @@ def profile_steps(core, steps: int) -> None:
     """Rank 0's host and device time over `steps` decode steps, by op (torch profiler): the
     device's busy time against the wall time (host-bound or device-bound?), the kernels by
     device time, and the ops by host time (per layer: divide the calls by the layers)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
@@ -55,7 +56,10 @@ def profile_steps(core, steps: int) -> None:
         torch.cuda.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - t) / steps
     events = prof.key_averages()
-    busy_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    # the device's own events, as the table's total: CPU ops (record_param_comms) and NCCL's
+    # annotations carry their kernels' time again
+    busy_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA
+                  and not e.is_user_annotation) / 1e3 / steps
     print(f"profile: {wall_ms:.2f} ms a step, the device busy {busy_ms:.2f} ms of it", flush=True)
     print(events.table(sort_by="self_device_time_total", row_limit=25), flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
