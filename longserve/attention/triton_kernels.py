@@ -487,9 +487,10 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
             T = R * mql
             tiles = _attn_tiles(num_heads // Hkv, D, T, Hkv, mql, dev)
             for splits in (1, 2):
-                if (tiles, splits, _request_bucket(R)) in seen:  # (R = 1 and a full batch
-                    continue  # can share tiles, not BLOCK_R: a tp=2 batch of 512 compiled one)
-                seen.add((tiles, splits, _request_bucket(R)))
+                key = (tiles, splits, _request_bucket(R))  # (R = 1 and a full batch can share
+                if key in seen:  # tiles, not BLOCK_R: a tp=2 batch of 512 compiled one)
+                    continue
+                seen.add(key)
                 paged_attention_lse(torch.zeros(T, num_heads, D, dtype=dtype, device=dev), k_cache,
                                     v_cache, torch.zeros(R, 1, **ints), torch.arange(0, T + 1, mql, **ints),
                                     torch.ones(R, **ints), 1.0, mql, splits, kv_scale)

@@ -319,7 +319,7 @@ class ModelRunner:
         if logits is not None and structured:
             output.deferred = (sampling, logits)
         else:
-            self._finish_sampling(output, sampling, logits, greedy)
+            self._finish_sampling(output, sampling, logits)
         return output
 
     def sample_deferred(self, output: ModelRunnerOutput, bitmask: tuple) -> None:
@@ -354,11 +354,12 @@ class ModelRunner:
                            structured, logprobs, greedy)
         return self._batch[1:]
 
-    def _finish_sampling(self, output, sampling, logits, greedy: bool = False) -> None:
-        """logits: the rows' logits on the first TP rank (greedy: already their argmax ids)."""
+    def _finish_sampling(self, output, sampling, logits) -> None:
+        """logits: the rows' logits on the first TP rank (plain greedy rows: their argmax ids,
+        as _logits_here took them)."""
         ids, seed_offsets = sampling
         tokens = None
-        params, biases, row_of, _, any_logprobs, _ = self._batch_params(ids)
+        params, biases, row_of, _, any_logprobs, greedy = self._batch_params(ids)
         if logits is not None:
             tokens = logits if greedy else self.sampler(logits, params, seed_offsets, biases)
             output.pending = (ids, SampledTokens(tokens))
