@@ -1,10 +1,10 @@
 """A fused mixture-of-experts kernel: both expert GEMMs over the step's (token, expert) pairs.
 
 The pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M
-(`align_pairs`: one program for decode-sized steps; above, a program per chunk of pairs
-that takes places by atomics), so every block of
-BLOCK_M sorted slots holds the pairs of one expert, or none (blocks past the used ones exit at
-once). One kernel, launched twice:
+(`align_pairs`: a program per chunk of pairs counts them, then each takes its places by
+atomics), so every block of BLOCK_M sorted slots holds the pairs of one expert, or none
+(blocks past the used ones exit at once). After the GEMMs one kernel sums each token's pairs
+(`combine_pairs`), and the router's softmax and top-k are one kernel too (`route_triton`). One kernel, launched twice:
   1. gate-up: x's rows gathered by token -> silu(x W_gate^T) * (x W_up^T) -> h [slots, width]
   2. down:    h in slot order -> (h W_down^T) * routing weight -> out [pairs, hidden], pair order
 A block reads its expert's weights once: at decode (a few pairs an expert) the step reads each
@@ -25,56 +25,11 @@ from longserve.attention.triton_kernels import _dot
 # (up to this many pairs, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): within 4% of the
 # best of benchmarks/bench_moe_kernel.py --sweep at Qwen3-30B-A3B's shapes, 32-512 tokens (H200)
 BLOCK_CONFIGS = [(256, 16, 64, 128, 4, 4), (2048, 32, 64, 64, 4, 4), (1 << 62, 64, 128, 64, 8, 3)]
-ALIGN_KERNEL_MAX_PAIRS = 1024  # one program aligns up to this many pairs; above, _place_kernel
-# (H100, 128 experts: 256 pairs ~15 us against ~75 us of torch ops; 4,096 pairs ~250 us)
-ALIGN_CHUNK = 64  # pairs (or blocks) a step of _align_kernel's loops
 PLACE_CHUNK, PLACE_BLOCKS = 128, 8  # pairs and blocks of one _place_kernel program
 
 
 def block_config(num_pairs: int) -> tuple:
     return next(c[1:] for c in BLOCK_CONFIGS if num_pairs <= c[0])
-
-
-@triton.jit
-def _one_hot(ids_ptr, start, first, num_local, num_pairs, CHUNK: tl.constexpr,
-             E_BINS: tl.constexpr):
-    """[CHUNK, E_BINS] int32: 1 where pair start + i goes to this rank's expert e (a row of
-    zeros for other ranks' experts, id -1, and pairs past the end)."""
-    pairs = start + tl.arange(0, CHUNK)
-    local = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1) - first
-    hot = (local[:, None] == tl.arange(0, E_BINS)[None, :]) & (local < num_local)[:, None]
-    return hot.to(tl.int32)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, first, num_local, num_pairs,
-                  num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BINS: tl.constexpr):
-    """align_pairs in one program, no atomics: count each expert's pairs, lay the padded runs
-    end to end, then put each pair at its run's start + its rank among its expert's pairs."""
-    counts = tl.zeros([E_BINS], tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        counts += tl.sum(_one_hot(ids_ptr, start, first, num_local, num_pairs, CHUNK, E_BINS), 0)
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    run_end = tl.cumsum(padded, 0)  # [E_BINS]; bins past num_local: the total
-    run_start = run_end - padded
-    for b in range(0, num_blocks, CHUNK):  # every slot padding, every block its expert
-        blocks = b + tl.arange(0, CHUNK)
-        # searchsorted(run_end, block start, right): the runs that end by it (num_local or
-        # more past the last run: the extra bins end there too)
-        expert = tl.sum((run_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), 1)
-        tl.store(block_expert_ptr + blocks, tl.where(expert < num_local, expert, -1),
-                 mask=blocks < num_blocks)
-        slots = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(slot_pair_ptr + slots, num_pairs, mask=(blocks < num_blocks)[:, None])
-    tl.debug_barrier()  # the padding is written before pass 2 overwrites the used slots
-    seen = tl.zeros([E_BINS], tl.int32)  # each expert's pairs in the chunks before
-    for start in range(0, num_pairs, CHUNK):
-        hot = _one_hot(ids_ptr, start, first, num_local, num_pairs, CHUNK, E_BINS)
-        rank = tl.cumsum(hot, 0) - 1 + seen[None, :]  # [CHUNK, E_BINS], read where hot: stable
-        slot = tl.sum(hot * (run_start[None, :] + rank), 1)
-        pairs = start + tl.arange(0, CHUNK)
-        tl.store(slot_pair_ptr + slot, pairs.to(tl.int64), mask=tl.sum(hot, 1) > 0)
-        seen += tl.sum(hot, 0)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -117,17 +72,15 @@ def align_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int):
     """ids [...] global expert ids (this rank holds [first, first + num_local)) -> slot_pair [S]
     (the pair in each sorted slot, num_pairs for padding) and block_expert [S / block_m] (-1:
     unused). S covers the worst case, P + num_local * (block_m - 1): it depends on P alone.
-    Up to ALIGN_KERNEL_MAX_PAIRS pairs one program (pairs keep their order in a run); above, a
-    count launch and a place launch of a program per PLACE_CHUNK pairs (any order in a run)."""
+    A count launch and a place launch of a program per PLACE_CHUNK pairs: 8-10 us from 8 to
+    4,096 pairs on an H100, where one program aligning them all took 9 us at 8 pairs, 24 at
+    256 and 79 at 1,024 (docs/benchmarks.md); the order within a run is free (each slot's
+    rows are computed alone)."""
     ids = ids.reshape(-1).contiguous()
     num_pairs, e_bins = ids.numel(), triton.next_power_of_2(num_local)
     num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m
     slot_pair = ids.new_empty(num_slots)
     block_expert = ids.new_empty(num_slots // block_m)
-    if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
-        _align_kernel[(1,)](ids, slot_pair, block_expert, first, num_local, num_pairs,
-                            block_expert.numel(), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, E_BINS=e_bins)
-        return slot_pair, block_expert
     counts = torch.zeros(2, e_bins, dtype=torch.int32, device=ids.device)  # counts, cursors
     _count_kernel[(triton.cdiv(num_pairs, PLACE_CHUNK),)](ids, counts, first, num_local,
                                                          num_pairs, CHUNK=PLACE_CHUNK)
@@ -178,15 +131,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
                   weights: torch.Tensor, first: int = 0) -> torch.Tensor:
     """x [T, hidden]; w13 [E, 2 * width, hidden] (gate rows, then up); w2 [E, hidden, width];
     ids [T, top_k] global expert ids (this rank's: [first, first + E)); weights [T, top_k]
-    float32 -> [T * top_k, hidden]: weight * expert(x[token]) per pair, zero for other ranks'
-    pairs (and id -1)."""
+    float32 -> [T, hidden]: sum over the token's pairs of this rank's experts (not other
+    ranks', nor id -1) of weight * expert(x[token])."""
     (num_tokens, top_k), (num_local, hidden, width) = ids.shape, w2.shape
     num_pairs = num_tokens * top_k
     bm, bn, bk, warps, stages = block_config(num_pairs)
     slot_pair, block_expert = align_pairs(ids, first, num_local, bm)
     weights = weights.flatten().float()  # no copy for select_experts' [T, k] float32
     h = x.new_empty(slot_pair.numel(), width)
-    out = x.new_zeros(num_pairs, hidden)
+    out = x.new_empty(num_pairs, hidden)  # rows of other ranks' pairs stay unwritten
     on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
               PRECISION="ieee" if x.dtype == torch.float32 or not on_gpu else "tf32",
@@ -197,4 +150,80 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
         _expert_gemm[(block_expert.numel(), triton.cdiv(n, bn))](
             a, b, c, slot_pair, block_expert, weights, n, k, num_pairs, top_k, a.stride(0),
             b.stride(0), b.stride(1), c.stride(0), GATE_UP=gate_up, **kw)
+    return combine_pairs(out, ids, first, num_local)
+
+
+@triton.jit
+def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, first, num_local, hidden,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = sum over this rank's pairs j of token t of pairs[t * TOP_K + j, cols],
+    in float32 in pair order (the rows of other ranks' pairs are never read)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        local = tl.load(ids_ptr + t * TOP_K + j) - first
+        end = tl.where((local >= 0) & (local < num_local), hidden, 0)  # 0: not ours, skip
+        acc += tl.load(pairs_ptr + (t * TOP_K + j) * hidden + cols, mask=cols < end,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, first: int, num_local: int):
+    """pairs [T * k, hidden] (rows of this rank's pairs written) -> [T, hidden]: one kernel
+    for the zero fill, the float32 sum over k and the rounding it replaces."""
+    (num_tokens, k), hidden = ids.shape, pairs.shape[1]
+    out = pairs.new_empty(num_tokens, hidden)
+    if num_tokens:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+            pairs, ids.contiguous(), out, first, num_local, hidden, TOP_K=k, BLOCK=block,
+            num_warps=4)
     return out
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+                  T_BLOCK: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """select_experts for T_BLOCK tokens: float32 softmax over the experts, top-k by k
+    rounds of argmax (the lower id on ties), the kept weights divided by their sum."""
+    rows = tl.program_id(0) * T_BLOCK + tl.arange(0, T_BLOCK)
+    experts, ks = tl.arange(0, E_BLOCK), tl.arange(0, K_BLOCK)
+    row_ok = rows < num_tokens
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + experts[None, :],
+                     mask=row_ok[:, None] & (experts < num_experts)[None, :],
+                     other=float("-inf")).to(tl.float32)
+    logits = tl.where(row_ok[:, None], logits, 0.0)  # rows past the end: no NaN
+    probs = tl.exp(logits - tl.max(logits, 1)[:, None])
+    probs = probs / tl.sum(probs, 1)[:, None]
+    weights = tl.zeros((T_BLOCK, K_BLOCK), tl.float32)
+    ids = tl.zeros((T_BLOCK, K_BLOCK), tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(probs, 1, tie_break_left=True)
+        weights = tl.where(ks[None, :] == j, tl.max(probs, 1)[:, None], weights)
+        ids = tl.where(ks[None, :] == j, best[:, None].to(tl.int64), ids)
+        probs = tl.where(experts[None, :] == best[:, None], -1.0, probs)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 1)[:, None]
+    out = rows.to(tl.int64)[:, None] * TOP_K + ks[None, :]
+    ok = row_ok[:, None] & (ks < TOP_K)[None, :]
+    tl.store(weights_ptr + out, weights, mask=ok)
+    tl.store(ids_ptr + out, ids, mask=ok)
+
+
+def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """The router's logits [T, E] -> weights [T, k] float32, expert ids [T, k] int64, in one
+    kernel (torch's softmax, top-k, sum and divide are five)."""
+    num_tokens, num_experts = logits.shape
+    weights = logits.new_empty(num_tokens, top_k, dtype=torch.float32)
+    ids = logits.new_empty(num_tokens, top_k, dtype=torch.int64)
+    if num_tokens:
+        assert logits.stride(1) == 1
+        t_block = 16
+        _route_kernel[(triton.cdiv(num_tokens, t_block),)](
+            logits, weights, ids, num_tokens, num_experts, logits.stride(0), TOP_K=top_k,
+            K_BLOCK=triton.next_power_of_2(top_k), E_BLOCK=triton.next_power_of_2(num_experts),
+            T_BLOCK=t_block, RENORMALIZE=renormalize, num_warps=4)
+    return weights, ids

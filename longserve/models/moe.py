@@ -49,6 +49,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """transformers' routing: softmax over every expert (float32), top-k, then (Mixtral,
     Qwen3-MoE with norm_topk_prob) divide by the sum of the k kept weights.
     Returns weights [T, k] float32 and expert ids [T, k] int64."""
+    if use_triton(router_logits):
+        from longserve.models.fused_moe_kernel import route_triton
+        return route_triton(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -194,21 +197,21 @@ class FusedMoE(nn.Module):
         num_tokens, k = ids.shape
         if use_fused_kernel(x, ids.numel()):  # it finds this rank's pairs itself
             from longserve.models.fused_moe_kernel import fused_experts
-            pairs = fused_experts(x, self.w13, self.w2, ids, weights, self.first)
-        else:
-            local = local_experts(ids, self.first, self.num_local)
-            pairs = self.grouped_experts(x, local, weights.flatten(), k)
+            return fused_experts(x, self.w13, self.w2, ids, weights, self.first)
+        local = local_experts(ids, self.first, self.num_local)
+        pairs = self.grouped_experts(x, local, weights.flatten(), k)
         return pairs.view(num_tokens, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
 
     def compile_kernels(self, dtype: torch.dtype) -> None:
-        """The fused path once at each block config and align path (8-4,096 pairs): compiled
+        """The fused path (routing, align, GEMMs, combine) once at each block config: compiled
         before serving, not by the first prefill chunks (1.4 s, H200). No collective."""
         k, dev = self.top_k, self.w13.device
-        for num_pairs in (k, 256, 1024, 2048, 4096):
+        for num_pairs in (k, 1024, 4096):
             x = torch.zeros(num_pairs // k, self.w2.shape[1], dtype=dtype, device=dev)
             if use_fused_kernel(x, num_pairs):
                 ids = torch.arange(num_pairs, device=dev).view(-1, k) % self.num_local + self.first
                 self.experts(x, torch.ones(ids.shape, device=dev), ids)
+                self.route(x)
 
     def grouped_experts(self, x, local, weights, k) -> torch.Tensor:
         """The same through grouped GEMMs over the pairs sorted by local expert: [T * k, hidden]."""
