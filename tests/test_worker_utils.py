@@ -285,3 +285,24 @@ def test_is_residual_scattered_for_sp():
     assert is_residual_scattered_for_sp(SimpleNamespace(parallel=sp4), 12)  # an EngineConfig-like
     assert not is_residual_scattered_for_sp(ParallelConfig(tensor_parallel_size=4), 8192)  # SP off
     assert not is_residual_scattered_for_sp(ParallelConfig(enable_sequence_parallel=True), 8192)  # tp=1
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([np.int32, np.int64, np.float32, np.bool_]),
+                          st.integers(0, 3), st.integers(0, 5), st.booleans()), max_size=8))
+def test_step_inputs_pack_into_one_buffer(specs):
+    """to_device_all's one buffer: every array back with its dtype, shape and values, each at a
+    16-byte aligned start, whatever its strides (numpy gives a size-1 array stride 0)."""
+    from longserve.host_to_device import pack, to_device, unpack
+    arrays = []
+    for dtype, rows, cols, strided in specs:
+        a = (np.arange(rows * cols * 2) % 7).astype(dtype).reshape(rows, cols * 2)
+        a = a[:, ::2] if strided else a[:, :cols]
+        stride0 = rows == 3 and cols > 0  # one element, stride 0
+        arrays.append(np.lib.stride_tricks.as_strided(a[:1, :1], (1,), (0,)) if stride0 else a)
+    ts = [to_device(a, "cpu") for a in arrays]
+    buf, starts = pack(ts, pin=False)
+    assert all(s % 16 == 0 for s in starts)
+    for a, t in zip(arrays, unpack(buf, ts, starts)):
+        assert t.dtype == to_device(a, "cpu").dtype and tuple(t.shape) == a.shape
+        assert np.array_equal(t.numpy(), a)

@@ -18,7 +18,7 @@ import torch
 from longserve.attention.metadata import AttentionMetadata, PagedPart, SuffixSegment, VarlenLayout
 from longserve.cp_slot_mapping import compute_slot_mapping, get_dcp_local_seq_lens
 from longserve.distributed.parallel_state import ParallelState
-from longserve.host_to_device import to_device
+from longserve.host_to_device import to_device, to_device_all
 from longserve.step_plan import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from longserve.worker.block_table import map_to_kernel_blocks
 from longserve.worker.cp_utils import PCPManager
@@ -99,10 +99,7 @@ def prepare_step(rows: StepRows, table: np.ndarray, layout: CPLayout,
     positions = computed[req_idx] + np.arange(starts[-1]) - starts[req_idx]
     slots = compute_slot_mapping(table, req_idx, positions, layout.block_size,
                                  layout.cp_world_size, layout.cp_rank, layout.interleave_size)
-    kernel_table = to_device(map_to_kernel_blocks(table, layout.kernel_blocks_per_block), device)
-    meta = AttentionMetadata(num_decode_tokens=num_decodes, num_tokens=0,
-                             slot_mapping=to_device(slots, device), decode=None,
-                             ps=ps, backend=backend)
+    pcp_kv_index, local_n = None, n
     if pcp is not None and pcp.pcp_world_size > 1:
         room = len(positions) + 2 * pcp.pcp_world_size * num_reqs  # pads included
         local_total, positions, req_idx = pcp.partition_inputs(
@@ -110,23 +107,28 @@ def prepare_step(rows: StepRows, table: np.ndarray, layout: CPLayout,
             reorder_batch_threshold=1)
         token_ids = token_ids[pcp.local_token_indices[:local_total]]
         if num_decodes < num_reqs:  # a pure decode step already has every K/V row locally
-            meta.pcp_kv_index = pcp.restore_unpad_idx
+            pcp_kv_index = pcp.restore_unpad_idx
         local_n = pcp.local_num_tokens_per_req.astype(np.int64)
-    else:
-        local_n = n
-    meta.num_tokens = len(positions)
     seq_lens = torch.from_numpy(computed + n)
-    local_starts = np.concatenate(([0], np.cumsum(local_n)))
+    decode_qsl = np.arange(num_decodes + 1, dtype=np.int32)
+    decode_kv_lens = cp_local(seq_lens[:num_decodes], layout).to(torch.int32)
+    kernel_table, slot_mapping, input_ids, positions_dev, logits_indices, qsl, kv_lens = \
+        to_device_all([map_to_kernel_blocks(table, layout.kernel_blocks_per_block), slots,
+                       token_ids, positions, starts[1:][rows.sample] - 1, decode_qsl,
+                       decode_kv_lens], device)
+    meta = AttentionMetadata(num_decode_tokens=num_decodes, num_tokens=len(positions),
+                             slot_mapping=slot_mapping, decode=None, ps=ps, backend=backend)
+    meta.pcp_kv_index = pcp_kv_index
     if num_decodes:
-        meta.decode = paged_part(np.arange(num_decodes + 1), cp_local(seq_lens[:num_decodes], layout),
-                                 kernel_table[:num_decodes], 1, device)
+        meta.decode = PagedPart(qsl, kv_lens, kernel_table[:num_decodes], 1, decode_qsl.tolist(),
+                                decode_kv_lens.tolist())
+    local_starts = np.concatenate(([0], np.cumsum(local_n)))
     add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kernel_table, layout, ps,
                       device)
-    logits_indices = to_device(starts[1:][rows.sample] - 1, device)
     placeholder_rows = np.flatnonzero(token_ids == PLACEHOLDER)
     first = num_reqs - len(rows.requests)
     return StepInputs(
-        input_ids=to_device(token_ids, device), positions=to_device(positions, device),
+        input_ids=input_ids, positions=positions_dev,
         meta=meta, logits_indices=logits_indices, num_local_tokens=meta.num_tokens,
         is_pure_decode=num_decodes == num_reqs,
         prompt_logprob_rows=prompt_logprob_rows(rows.requests, starts[first:]),
