@@ -177,16 +177,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         real = max(self.vocab_size - self.start, 0)  # the last slice's padding rows are no tokens
         if real < self.rows:
             logits[:, real:] = float("-inf")
-        ids = logits.argmax(dim=-1)
         if self.tp.world_size == 1:
-            return ids
-        best = logits.gather(1, ids[:, None])[:, 0]
-        pairs = self.tp.gather(torch.stack([best.double(), (ids + self.start).double()]))  # exact
+            return logits.argmax(dim=-1)
+        best, ids = logits.max(dim=-1)  # (the first maximum, as argmax)
+        assert self.vocab_size < 1 << 24  # float32 holds a bf16 / fp16 logit and an id exactly
+        pairs = self.tp.gather(torch.stack([best.float(), ids.add_(self.start).float()]))
         if pairs is None:
             return None
         pairs = pairs.view(self.tp.world_size, 2, -1)  # [rank, (logit, id), row]
-        rank = pairs[:, 0].argmax(dim=0)  # the first rank on ties: the lower ids
-        return pairs[rank, 1, torch.arange(pairs.shape[-1], device=pairs.device)].long()
+        rank = pairs[:, 0].argmax(dim=0, keepdim=True)  # the first rank on ties: the lower ids
+        return pairs[:, 1].gather(0, rank)[0].long()
 
 
 class RMSNorm(nn.Module):
