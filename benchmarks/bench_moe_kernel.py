@@ -9,7 +9,8 @@ For each batch (tokens entering the layer) and each path: the relative error of 
 against a float32 reference (the same bf16 weights, float32 math), whether a CUDA-graph
 replay on new inputs equals eager, and the median time of `FusedMoE.experts` (sort, both
 GEMMs, combine) replayed in a CUDA graph, against its bytes floor (the expert weights that
-the batch hits, at --bw). --sweep also times other block configs of the fused kernel.
+the batch hits, at --bw), and with the router in front (its GEMM, softmax and top-k).
+--sweep also times other block configs of the fused kernel.
 
     python benchmarks/bench_moe_kernel.py            # ~1-2 minutes on one H100
 """
@@ -81,7 +82,9 @@ def check_and_time(moe, num_tokens: int, path: str) -> dict:
     graph.replay()
     same = torch.equal(static_out, moe.experts(x, w, ids))
     us = 1e3 * triton.testing.do_bench_cudagraph(lambda: moe.experts(x, w, ids), return_mode="median")
-    return dict(err=err, graph_ok=same, us=us)
+    routed = 1e3 * triton.testing.do_bench_cudagraph(lambda: moe.experts(x, *moe.route(x)),
+                                                     return_mode="median")
+    return dict(err=err, graph_ok=same, us=us, routed_us=routed)
 
 
 def floor_us(moe: FusedMoE, num_tokens: int, bw: float) -> tuple[float, float]:
@@ -115,9 +118,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time other fused block configs")
     args = ap.parse_args()
     print(f"### One expert layer, {torch.cuda.get_device_name()}, bf16, CUDA-graph replays\n")
-    print("| variant | tokens | experts hit | floor us | fused us (x floor) | grouped_mm us (x floor) "
-          "| rel err fused / gmm | graph = eager | best sweep |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| variant | tokens | experts hit | floor us | fused us (x floor) | + router us "
+          "| grouped_mm us (x floor) | rel err fused / gmm | graph = eager | best sweep |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.variants.split(","):
         moe = expert_layer(*VARIANTS[name])
         for n in args.batches:
@@ -125,7 +128,7 @@ def main():
             fused, gmm = check_and_time(moe, n, "triton"), check_and_time(moe, n, "grouped_mm")
             best = sweep(moe, n) if args.sweep else ""
             print(f"| {name} | {n} | {hit:.1f} | {floor:.0f} | {fused['us']:.0f} ({fused['us'] / floor:.2f}x) "
-                  f"| {gmm['us']:.0f} ({gmm['us'] / floor:.2f}x) | {fused['err']:.1e} / {gmm['err']:.1e} "
+                  f"| {fused['routed_us']:.0f} | {gmm['us']:.0f} ({gmm['us'] / floor:.2f}x) | {fused['err']:.1e} / {gmm['err']:.1e} "
                   f"| {fused['graph_ok'] and gmm['graph_ok']} | {best} |", flush=True)
         del moe
         torch.cuda.empty_cache()
