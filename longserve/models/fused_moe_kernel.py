@@ -1,15 +1,16 @@
 """A fused mixture-of-experts kernel: both expert GEMMs over the step's (token, expert) pairs.
 
-The pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M
-(`align_pairs`: a program per chunk of pairs counts them, then each takes its places by
-atomics), so every block of BLOCK_M sorted slots holds the pairs of one expert, or none
-(blocks past the used ones exit at once). After the GEMMs one kernel sums each token's pairs
-(`combine_pairs`), and the router's softmax and top-k are one kernel too (`route_triton`). One kernel, launched twice:
+The router's softmax, top-k and renormalisation are one kernel (`route_triton`). The pairs
+are sorted by expert and each expert's run is padded to a multiple of BLOCK_M (`align_pairs`:
+a program per chunk of pairs counts them, then each takes its places by atomics), so every
+block of BLOCK_M sorted slots holds the pairs of one expert, or none (blocks past the used
+ones exit at once). One kernel, launched twice:
   1. gate-up: x's rows gathered by token -> silu(x W_gate^T) * (x W_up^T) -> h [slots, width]
   2. down:    h in slot order -> (h W_down^T) * routing weight -> out [pairs, hidden], pair order
-A block reads its expert's weights once: at decode (a few pairs an expert) the step reads each
-hit expert once, its bytes floor. Every shape depends only on the pair count (the grid covers
-the worst case), so both launches are captured in CUDA graphs.
+then one kernel adds each token's pairs (`combine_pairs`). A block reads its expert's weights
+once: at decode (a few pairs an expert) the step reads each hit expert once, its bytes floor.
+Every shape depends only on the pair count (the grid covers the worst case), so every launch
+is captured in CUDA graphs.
 Imported only when it runs (CUDA tensors, or the CPU under TRITON_INTERPRET=1).
 """
 from __future__ import annotations

@@ -117,8 +117,8 @@ def prepare_step(rows: StepRows, table: np.ndarray, layout: CPLayout,
                        token_ids, positions, starts[1:][rows.sample] - 1, decode_qsl,
                        decode_kv_lens], device)
     meta = AttentionMetadata(num_decode_tokens=num_decodes, num_tokens=len(positions),
-                             slot_mapping=slot_mapping, decode=None, ps=ps, backend=backend)
-    meta.pcp_kv_index = pcp_kv_index
+                             slot_mapping=slot_mapping, decode=None, ps=ps, backend=backend,
+                             pcp_kv_index=pcp_kv_index)
     if num_decodes:
         meta.decode = PagedPart(qsl, kv_lens, kernel_table[:num_decodes], 1, decode_qsl.tolist(),
                                 decode_kv_lens.tolist())
