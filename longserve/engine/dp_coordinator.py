@@ -39,10 +39,13 @@ class DPCoordinator:
         taken = self.stats[core].num_added
         return self.num_sent[core] - (taken[self.front_end] if self.front_end < len(taken) else 0)
 
+    def live(self) -> list[int]:
+        return [i for i in range(self.num_cores) if i not in self.dead]
+
     def choose(self, pinned: int | None) -> int:
         if pinned is not None:
             return pinned
-        live = [i for i in range(self.num_cores) if i not in self.dead]
+        live = self.live()
         load = {i: self.stats[i].num_waiting + self.stats[i].num_running
                 + self.num_front_ends * self.in_flight(i) for i in live}
         return min(live, key=lambda i: (load[i], (i - self.front_end) % self.num_cores))
@@ -71,8 +74,13 @@ class DPCoordinator:
 
     # ---- what /metrics and admission read, over every live core -------------------------
     def total(self, name: str) -> int:
-        return sum(getattr(s, name) for i, s in enumerate(self.stats) if i not in self.dead)
+        return sum(getattr(self.stats[i], name) for i in self.live())
+
+    def num_waiting(self) -> int:
+        """Waiting in the live cores as they last reported, plus this front end's requests
+        they had not taken by then."""
+        return self.total("num_waiting") + sum(self.in_flight(i) for i in self.live())
 
     def kv_usage(self) -> float:
-        live = [s for i, s in enumerate(self.stats) if i not in self.dead] or self.stats
+        live = [self.stats[i] for i in self.live()] or self.stats
         return 1.0 - sum(s.num_free_blocks for s in live) / sum(s.num_blocks for s in live)

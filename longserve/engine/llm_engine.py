@@ -227,9 +227,7 @@ class LLMEngine:
         """Requests waiting in the cores or on their way to them, from every front end as the
         cores last reported, plus this one's that they had not taken by then (racy: admission
         and gauges)."""
-        c = self.coordinator
-        live = [i for i in range(c.num_cores) if i not in c.dead]
-        return c.total("num_waiting") + sum(c.in_flight(i) for i in live)
+        return self.coordinator.num_waiting()
 
     def kv_cache_usage(self) -> float:
         return self.coordinator.kv_usage()
@@ -273,8 +271,7 @@ class LLMEngine:
         return total
 
     def pool_states(self) -> list[dict]:
-        return [self.call("pool_state", core=c) for c in range(self.coordinator.num_cores)
-                if c not in self.coordinator.dead]
+        return [self.call("pool_state", core=c) for c in self.coordinator.live()]
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is in flight, stop the cores (and their workers). Idempotent."""

@@ -191,7 +191,7 @@ class FusedMoE(nn.Module):
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of sum_k weight_k * expert_k(x) for every row of x.
 
-        Each (token, k) pair's output lands in its own row of [T * k, hidden] (zero for pairs
+        Each (token, k) pair's output lands in its own row of [T * k, hidden] (none for pairs
         of other ranks' experts, or id -1), and a token's k rows add up in float32: no atomics,
         no step that waits for the device, shapes set by T alone (CUDA graphs)."""
         num_tokens, k = ids.shape
