@@ -11,6 +11,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -55,6 +57,34 @@ def check_all(device: str) -> None:
                                    atol=tol or 1e-2, rtol=tol or 1e-2)
     empty = torch.empty(0, 96, device=device)
     assert ops.rms_norm(empty, torch.ones(96, device=device), 1e-6).shape == (0, 96)
+    check_gemv()
+
+
+@settings(max_examples=12 if os.environ.get("TRITON_INTERPRET") == "1" else 60, deadline=None)
+@given(rows=st.integers(0, 16), n=st.integers(1, 150), k_tiles=st.integers(1, 4),
+       block=st.sampled_from([(16, 64, 4, 2), (32, 128, 4, 4), (4, 1024, 8, 4), None]), bias=st.booleans(),
+       bf16=st.booleans(), seed=st.integers(0, 2**31))
+@example(rows=1, n=97, k_tiles=3, block=(16, 64, 4, 2), bias=True, bf16=True, seed=0)
+@example(rows=5, n=33, k_tiles=2, block=None, bias=False, bf16=False, seed=1)
+@example(rows=1, n=10, k_tiles=2, block=(4, 1024, 8, 4), bias=False, bf16=True, seed=2)
+def check_gemv(rows, n, k_tiles, block, bias, bf16, seed):
+    """The decode GEMV equals x W^T + b summed in float32 (one row: elementwise; 2-16 rows: the
+    dot), for output sizes that are no multiple of the tile, 0-16 rows of a strided x."""
+    from longserve.models.gemv_kernel import gemv_triton
+    device = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    block = None if block and rows > 1 and block[0] < 16 else block  # the dot: 16+ columns
+    k = 64 * k_tiles if block is None else block[1] * k_tiles
+    bf16 = bf16 and (device == "cuda" or rows <= 1)  # the interpreter's bf16 dot is wrong (3.9)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(rows, 2 * k, generator=g).to(device, dtype)[:, :k]  # rows apart in memory
+    w = torch.randn(n, k, generator=g).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    y = gemv_triton(x, w, b, block)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.shape == (rows, n) and y.dtype == dtype
+    tol = 1e-2 if bf16 else 1e-4  # bf16: the output's rounding; float32: the sums' order
+    torch.testing.assert_close(y.double(), ref, atol=tol * k ** 0.5, rtol=tol)
 
 
 def test_fused_ops_under_interpreter():

@@ -1,4 +1,5 @@
-"""Fused elementwise steps of the decoder layer: RMSNorm(+residual), q/k-norm + RoPE, SiLU-mul.
+"""Fused elementwise steps of the decoder layer: RMSNorm(+residual), q/k-norm + RoPE, SiLU-mul;
+and the decode linears' GEMV.
 
 Unfused, each of these is 4-8 torch kernels with float32 round trips through memory; in a
 prefill step of thousands of tokens they cost more GPU time than the attention, and in a
@@ -15,6 +16,11 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+
+GEMV_ENV = "LONGSERVE_GEMV"  # "0": decode linears stay on cuBLAS (for A/B runs)
+_GEMV = os.environ.get(GEMV_ENV, "1") != "0"
+GEMV_MAX_ROWS = 16
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -72,3 +78,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_torch(x):
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on CUDA in bf16 / fp16, the Triton GEMV of gemv_kernel.py for one row (batch-1
+    decode), and for up to 16 rows of vocabulary-wide weights (the LM head), where it streams
+    the weight faster than cuBLAS (`bench_gemv.py`, H100: 1.05-1.2x one row, 1.2x the head)."""
+    k, rows = x.shape[-1], x.numel() // max(x.shape[-1], 1)
+    if (_GEMV and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and k % 64 == 0
+            and (rows == 1 or (rows <= GEMV_MAX_ROWS and weight.shape[0] >= 32768))
+            and weight.is_contiguous()):
+        from longserve.models.gemv_kernel import gemv_triton
+        return gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -35,7 +35,7 @@ from torch import nn
 
 from longserve.config import ModelConfig
 from longserve.distributed.parallel_state import GroupCoordinator, ParallelState
-from longserve.models.fused_ops import silu_and_mul, use_triton
+from longserve.models.fused_ops import linear, silu_and_mul, use_triton
 from longserve.models.layers import _copy_checked, _param
 
 # Choices set from measurement (benchmarks/bench_moe_kernel.py, bench_dp.py --mode moe):
@@ -251,7 +251,7 @@ class ReplicatedLinear(nn.Module):
                              loader=lambda p, w, s=None: _copy_checked(p, w))
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
