@@ -1,5 +1,5 @@
 """The decode GEMV (models/gemv_kernel.py) against cuBLAS (F.linear) at Llama-3-8B's decode
-shapes, one GPU and one rank of tp=2: error against float32 and median time in a CUDA graph.
+shapes, one GPU and one rank of tp=2 (and smaller models' on one GPU): error against float32 and median time in a CUDA graph.
 
 Each timed graph calls the linear on enough copies of the weight (>= 256 MB in all) that no
 call finds its weight in L2, as in a decode step; us = graph time / copies, so it includes
@@ -24,6 +24,11 @@ SHAPES = {  # name: (N, K) of the weight
     "tp2 qkv": ((Q + 2 * KV) // 2, HID), "tp2 o": (HID, Q // 2), "tp2 gate_up": (INTER, HID),
     "tp2 down": (HID, INTER // 2), "tp2 lm_head": (VOCAB // 2, HID),
     "tp2 1kv qkv": (Q // 2 + 2 * 128, HID),
+    # smaller models, one GPU: Qwen3-0.6B, SmolLM2-135M, Qwen3-30B-A3B's router
+    "qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b o": (1024, 2048), "qwen3-0.6b gate_up": (6144, 1024),
+    "qwen3-0.6b down": (1024, 3072), "qwen3-0.6b lm_head": (151936, 1024),
+    "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576),
+    "smollm2 down": (576, 1536), "smollm2 lm_head": (49152, 576), "moe router": (128, 2048),
 }
 SWEEP = [(bn, bk, w, s) for (bn, bk), w, s in itertools.product(
     [(2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 128),
