@@ -69,7 +69,8 @@ def check_all(device: str) -> None:
 @example(rows=1, n=10, k_tiles=2, block=(4, 1024, 8, 4), bias=False, bf16=True, seed=2)
 def check_gemv(rows, n, k_tiles, block, bias, bf16, seed):
     """The decode GEMV equals x W^T + b summed in float32 (one row: elementwise; 2-16 rows: the
-    dot), for output sizes that are no multiple of the tile, 0-16 rows of a strided x."""
+    dot), for output sizes that are no multiple of the tile, 0-16 rows of a strided x; one row
+    with SiLU-and-mul fused equals the two steps."""
     from longserve.models.gemv_kernel import gemv_triton
     device = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator().manual_seed(seed)
@@ -85,6 +86,13 @@ def check_gemv(rows, n, k_tiles, block, bias, bf16, seed):
     assert y.shape == (rows, n) and y.dtype == dtype
     tol = 1e-2 if bf16 else 1e-4  # bf16: the output's rounding; float32: the sums' order
     torch.testing.assert_close(y.double(), ref, atol=tol * k ** 0.5, rtol=tol)
+    if rows == 1:  # the MLP's gate-up with SiLU-and-mul in the kernel, rounded as silu_and_mul
+        from longserve.models.fused_ops import silu_and_mul_torch
+        gate_up = torch.cat([w, torch.randn(n, k, generator=g).to(device, dtype)])
+        fused = gemv_triton(x, gate_up, config=block, silu_and_mul=True)
+        two = 8e-3 if device == "cuda" else 2e-2  # the interpreter rounds to bf16 its own way
+        torch.testing.assert_close(fused, silu_and_mul_torch(gemv_triton(x, gate_up, config=block)),
+                                   atol=two if bf16 else tol, rtol=two if bf16 else tol)
 
 
 def test_fused_ops_under_interpreter():

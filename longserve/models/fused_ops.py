@@ -84,12 +84,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear; on CUDA in bf16 / fp16, the Triton GEMV of gemv_kernel.py for one row (batch-1
     decode), and for up to 16 rows of vocabulary-wide weights (the LM head), where it streams
     the weight faster than cuBLAS (`bench_gemv.py`, H100: 1.05-1.6x one row, 1.07-1.25x the
-    head). Inputs narrower than 256 columns' multiples (SmolLM2's 576) stay on cuBLAS: the
-    kernel's short tiles lose there."""
-    k, rows = x.shape[-1], x.numel() // max(x.shape[-1], 1)
-    if (_GEMV and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and k % 256 == 0
-            and (rows == 1 or (rows <= GEMV_MAX_ROWS and weight.shape[0] >= 32768))
-            and weight.is_contiguous()):
+    head)."""
+    rows = _gemv_rows(x, weight)
+    if rows == 1 or (rows <= GEMV_MAX_ROWS and weight.shape[0] >= 32768):
         from longserve.models.gemv_kernel import gemv_triton
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight)) of the MLP's [gate; up] weight; for one row, one GEMV
+    kernel that writes the product (no [1, 2I] round trip, one launch fewer a layer)."""
+    if _gemv_rows(x, weight) == 1:
+        from longserve.models.gemv_kernel import gemv_triton
+        return gemv_triton(x, weight, silu_and_mul=True)
+    return silu_and_mul(linear(x, weight))
+
+
+def _gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """x's rows where the GEMV may take it (bf16 / fp16 on CUDA, width a multiple of 256), else 0.
+    Narrower multiples of 64 (SmolLM2's 576) lose to cuBLAS: the kernel's short tiles."""
+    k = x.shape[-1]
+    ok = (_GEMV and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and k and k % 256 == 0
+          and weight.is_contiguous())
+    return x.numel() // k if ok else 0

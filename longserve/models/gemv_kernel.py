@@ -1,12 +1,13 @@
 """The decode GEMV: y = x W^T (+ b) for a few rows of x, as one streaming pass over W.
 
-At batch 1-8 a decode step's linears are matrix-vector products: each reads its whole
-weight for a handful of FLOPs, so time is bytes. cuBLAS runs Llama-3-8B's at 52-79% of an
-H200's bandwidth (issue 28's profile); its smaller shapes barely fill the GPU. Here each
-program streams a [BLOCK_N, K] band of W in [BLOCK_N, BLOCK_K] tiles (16-byte loads along
-K), several tiles in flight, and every row of x rides along: one row accumulates products
-elementwise in float32 and sums them once at the end; 2-16 rows use a tensor-core dot
-(x padded to 16 rows costs no bytes). float32 accumulation, as cuBLAS.
+At batch 1 a decode step's linears are matrix-vector products: each reads its whole weight
+for a handful of FLOPs, so time is bytes. cuBLAS reads Llama-3-8B's at 1.8-2.8 TB/s of an
+H100's 3.35 (`bench_gemv.py`). Here each program streams a [BLOCK_N, K] band of W in
+[BLOCK_N, BLOCK_K] tiles (16-byte loads along K), several tiles in flight: one row of x
+accumulates products elementwise in float32 and sums them once at the end; 2-16 rows use a
+tensor-core dot (x padded to 16 rows costs no bytes). float32 accumulation, as cuBLAS. For
+one row the MLP's [gate; up] weight can also give SiLU(gate) * up directly: a program
+computes a gate row and its up row.
 
 Imported only when a kernel is about to run (`fused_ops.linear`), so a CPU install needs no
 Triton.
@@ -21,23 +22,36 @@ MAX_ROWS = 16  # x rows a program carries (the dot's smallest M)
 
 
 @triton.jit
+def _row_dot(w_ptr, x_ptr, rn, n_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row of x times rows rn of W: [BLOCK_N] float32, summed over K once, after the loop."""
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]  # K % BLOCK_K == 0
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
+        acc += w.to(tl.float32) * tl.load(x_ptr + k + rk).to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, stride_y, K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ONE_ROW: tl.constexpr, PRECISION: tl.constexpr):
+                 ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr, PRECISION: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]  # K % BLOCK_K == 0
     if ONE_ROW:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # summed over K once, after the loop
-        for k in range(0, K, BLOCK_K):
-            w = tl.load(w_ptrs + k, mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_ptr + k + rk)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+        y = _row_dot(w_ptr, x_ptr, rn, n_ok, K, BLOCK_N, BLOCK_K)
+        if SILU_MUL:  # W is [gate; up], each N rows: SiLU(gate) * up, rounded as silu_and_mul
+            dtype = y_ptr.dtype.element_ty
+            up = _row_dot(w_ptr, x_ptr, rn + N, n_ok, K, BLOCK_N, BLOCK_K).to(dtype).to(tl.float32)
+            g = y.to(dtype).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
+        y = y[None, :]  # [1, BLOCK_N]
         rm = tl.arange(0, 1)
     else:
         rm = tl.arange(0, 16)
+        rk = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
         x_ptrs = x_ptr + rm[:, None] * stride_x + rk[None, :]
         acc = tl.zeros((16, BLOCK_N), tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -60,20 +74,23 @@ def gemv_config(rows: int, k: int) -> tuple[int, int, int, int]:
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows), weight [N, K] contiguous -> [..., N]."""
+                config: tuple[int, int, int, int] | None = None, silu_and_mul: bool = False):
+    """x [..., K] (at most MAX_ROWS rows), weight [N, K] contiguous -> [..., N]. With
+    silu_and_mul (one row, no bias): SiLU(x gate^T) * (x up^T) of W = [gate; up] -> [..., N/2]."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     assert m <= MAX_ROWS and weight.is_contiguous(), (m, weight.stride())
+    assert not silu_and_mul or (m == 1 and bias is None and n % 2 == 0), (m, n)
+    n_out = n // 2 if silu_and_mul else n
     block_n, block_k, warps, stages = config or gemv_config(m, k)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m:
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
-            x2, weight, bias if bias is not None else weight, y, m, n, x2.stride(0), y.stride(0),
+        _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+            x2, weight, bias if bias is not None else weight, y, m, n_out, x2.stride(0), y.stride(0),
             K=k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=m == 1,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32: no TF32 rounding
+            SILU_MUL=silu_and_mul, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=warps, num_stages=stages)
-    return y.view(*x.shape[:-1], n)
+    return y.view(*x.shape[:-1], n_out)

@@ -14,7 +14,7 @@ from torch import nn
 from longserve.attention.backends import Attention
 from longserve.config import ModelConfig
 from longserve.distributed.parallel_state import ParallelState
-from longserve.models.fused_ops import silu_and_mul
+from longserve.models.fused_ops import linear_silu_and_mul
 from longserve.models.moe import FusedMoE
 from longserve.models.layers import (MergedColumnParallelLinear, ParallelLMHead,
                                      QKVParallelLinear, RMSNorm, RotaryEmbedding,
@@ -55,7 +55,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ps.tp)
 
     def forward(self, x, reduce="all", dp_pad=None):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce)
+        return self.down_proj(linear_silu_and_mul(x, self.gate_up_proj.weight), reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
