@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -57,6 +58,12 @@ def check_all(device: str) -> None:
                                    atol=tol or 1e-2, rtol=tol or 1e-2)
     empty = torch.empty(0, 96, device=device)
     assert ops.rms_norm(empty, torch.ones(96, device=device), 1e-6).shape == (0, 96)
+    # the linears' routing (one bf16 row of width 256: the GEMV on CUDA) gives F.linear's values
+    x1 = torch.randn(1, 256, generator=g).to(device, torch.bfloat16)
+    w1 = torch.randn(96, 256, generator=g).to(device, torch.bfloat16)
+    torch.testing.assert_close(ops.linear(x1, w1), F.linear(x1, w1), atol=0.25, rtol=8e-3)
+    torch.testing.assert_close(ops.linear_silu_and_mul(x1, w1), ops.silu_and_mul(F.linear(x1, w1)),
+                               atol=0.5, rtol=1.6e-2)
     check_gemv()
 
 
