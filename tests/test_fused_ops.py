@@ -102,6 +102,18 @@ def check_gemv(rows, n, k_tiles, block, bias, bf16, seed):
                                    atol=two if bf16 else tol, rtol=two if bf16 else tol)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 3, 17])
+def test_linears_off_cuda_stay_on_torch(rows):
+    """The GEMV takes only CUDA bf16 / fp16: the CPU's linears (a vocabulary-wide LM head
+    included, in any dtype) are F.linear's exactly."""
+    from longserve.models import fused_ops as ops
+    g = torch.Generator().manual_seed(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(rows, 256, generator=g).to(dtype), torch.randn(32768, 256, generator=g).to(dtype)
+        assert torch.equal(ops.linear(x, w), F.linear(x, w))
+        assert torch.equal(ops.linear_silu_and_mul(x, w), ops.silu_and_mul_torch(F.linear(x, w)))
+
+
 def test_fused_ops_under_interpreter():
     if os.environ.get("TRITON_INTERPRET") == "1":
         check_all("cpu")

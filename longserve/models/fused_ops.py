@@ -86,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the weight faster than cuBLAS (`bench_gemv.py`, H100: 1.05-1.6x one row, 1.07-1.25x the
     head)."""
     rows = _gemv_rows(x, weight)
-    if rows == 1 or (rows <= GEMV_MAX_ROWS and weight.shape[0] >= 32768):
+    if rows == 1 or (0 < rows <= GEMV_MAX_ROWS and weight.shape[0] >= 32768):
         from longserve.models.gemv_kernel import gemv_triton
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
