@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 GEMV_ENV = "LONGSERVE_GEMV"  # "0": decode linears stay on cuBLAS (for A/B runs)
 _GEMV = os.environ.get(GEMV_ENV, "1") != "0"
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = 16  # the most rows the GEMV takes (its dot's 16-row tile)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -80,13 +80,13 @@ def silu_and_mul_torch(x):
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CUDA in bf16 / fp16, the Triton GEMV of gemv_kernel.py for one row (batch-1
-    decode), and for up to 16 rows of vocabulary-wide weights (the LM head), where it streams
-    the weight faster than cuBLAS (`bench_gemv.py`, H100: 1.05-1.6x one row, 1.07-1.25x the
-    head)."""
-    rows = _gemv_rows(x, weight)
-    if rows == 1 or (0 < rows <= GEMV_MAX_ROWS and weight.shape[0] >= 32768):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           max_rows: int = 1) -> torch.Tensor:
+    """F.linear; on CUDA in bf16 / fp16, for up to max_rows rows, the Triton GEMV of
+    gemv_kernel.py, which streams the weight faster than cuBLAS (`bench_gemv.py`, H100:
+    1.05-1.6x one row). More rows pay only on the LM head (1.07-1.25x at 2-16 rows; other
+    weights 0.86-1.17x), which passes max_rows=GEMV_MAX_ROWS."""
+    if 0 < _gemv_rows(x, weight) <= max_rows:
         from longserve.models.gemv_kernel import gemv_triton
         return gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -98,7 +98,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if _gemv_rows(x, weight) == 1:
         from longserve.models.gemv_kernel import gemv_triton
         return gemv_triton(x, weight, silu_and_mul=True)
-    return silu_and_mul(linear(x, weight))
+    return silu_and_mul(F.linear(x, weight))
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
