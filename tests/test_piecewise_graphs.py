@@ -18,7 +18,8 @@ def test_bucket_is_the_smallest_that_fits(budget, data):
     t = data.draw(st.integers(1, buckets[-1]))
     b = min(x for x in buckets if x >= t)
     assert all(x < t for x in buckets if x < b)
-    assert b - t < max(t, 256)  # pads by less than the step (small) or less than 256 rows
+    assert b - t < max(t, 16)  # pads by less than the step (or the smallest bucket)
+    assert t <= 2048 or b - t <= t // 4  # and by at most a quarter past 2,048 tokens
 
 
 def prompts(seed, lengths):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -480,7 +481,7 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
     before serving, with the two merges of prefill. Reads block 0 of the cache (one token a
     request); returns the variants run."""
     _, B, Hkv, D = k_cache.shape
-    dev, seen = k_cache.device, set()
+    dev, seen, calls = k_cache.device, set(), []
     ints = dict(dtype=torch.int32, device=dev)
     for mql in [1 << i for i in range(8)]:
         for R in sorted({1, min(max_tokens // mql, max_seqs)} - {0}):  # requests of mql rows
@@ -491,13 +492,29 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
                 if key in seen:  # tiles, not BLOCK_R: a tp=2 batch of 512 compiled one)
                     continue
                 seen.add(key)
-                paged_attention_lse(torch.zeros(T, num_heads, D, dtype=dtype, device=dev), k_cache,
-                                    v_cache, torch.zeros(R, 1, **ints), torch.arange(0, T + 1, mql, **ints),
-                                    torch.ones(R, **ints), 1.0, mql, splits, kv_scale)
+                calls.append(functools.partial(
+                    paged_attention_lse, torch.zeros(T, num_heads, D, dtype=dtype, device=dev),
+                    k_cache, v_cache, torch.zeros(R, 1, **ints), torch.arange(0, T + 1, mql, **ints),
+                    torch.ones(R, **ints), 1.0, mql, splits, kv_scale))
     o, lse = torch.zeros(1, num_heads, D, dtype=dtype, device=dev), torch.zeros(1, num_heads, device=dev)
     for out_lse in (None, lse.clone()):  # a prefix-cache hit's merge; a segment's (with its LSE)
-        merge_attn_states_triton(torch.empty_like(o), o, lse, o, lse, out_lse)
+        calls.append(functools.partial(merge_attn_states_triton, torch.empty_like(o), o, lse, o,
+                                       lse, out_lse))
+    run_in_threads(calls, dev)
     return len(seen) + 2
+
+
+def run_in_threads(calls: list, device: torch.device) -> None:
+    """Call each (a first launch: Triton compiles its variant) from a pool of threads: Triton
+    compiles mostly outside the GIL (LLVM, ptxas), so a cold start compiles several at once.
+    Under the interpreter (CPU tests) one at a time."""
+    if device.type != "cuda":
+        for call in calls:
+            call()
+        return
+    with ThreadPoolExecutor(int(os.environ.get("LONGSERVE_COMPILE_THREADS", 8)),
+                            initializer=torch.cuda.set_device, initargs=(device,)) as pool:
+        list(pool.map(lambda call: call(), calls))
 
 
 # --------------------------------------------------------------------------------------

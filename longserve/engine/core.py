@@ -20,16 +20,20 @@ from longserve.engine.scheduler import Scheduler
 from longserve.engine.structured_output import StructuredOutputManager
 from longserve.kv_transfer.base import build_scheduler_connector
 from longserve.kv_transfer.p2p import host_store
+from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
+from longserve.worker.launch import WorkerProcs
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, engine_index: int = 0, dist_init: str | None = None):
+    def __init__(self, config: EngineConfig, engine_index: int = 0, dist_init: str | None = None,
+                 timeline: Timeline | None = None, workers: WorkerProcs | None = None):
         t0 = time.perf_counter()
         self.config, self.engine_index = config, engine_index
+        self.timeline = timeline or Timeline()
         # a producer's store, before the workers: they connect to it
         self.kv_store = host_store(config) if config.kv_transfer.kv_role is not None else None
-        self.executor = Executor(config, dist_init)
+        self.executor = Executor(config, dist_init, self.timeline, workers)
         self.kv = KVCacheManager(self.executor.num_blocks,
                                  config.cache.block_size * config.parallel.cp_world_size,
                                  config.cache.enable_prefix_caching)
@@ -45,6 +49,7 @@ class EngineCore:
         self._waited = 0.0
         if config.device == "cuda" and self.kv_connector is None and not config.dp_lockstep:
             self._warm_up()
+        self.timeline.mark("warm-up")
         self.load_s = time.perf_counter() - t0
 
     def _warm_up(self) -> None:
@@ -249,7 +254,8 @@ class EngineCore:
         return dict(engine_index=self.engine_index, num_gpu_blocks=self.kv.num_blocks,
                     tokens_per_block=self.kv.tokens_per_block, load_s=round(self.load_s, 2),
                     cudagraph_capture_s=driver.cudagraph_capture_s,
-                    device_names=self.executor.device_names)
+                    device_names=self.executor.device_names,
+                    startup=dict(self.timeline.as_dict(), ranks=self.executor.worker_timelines()))
 
     def stats(self) -> dict:
         """Counters of the KV cache and the connector (tests, benchmarks)."""

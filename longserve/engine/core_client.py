@@ -33,6 +33,7 @@ from longserve.engine.core_proc import CoreAddresses, EngineCoreProc
 from longserve.engine.executor import check_visible_gpus, free_port
 from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
                                        decode_any, decode_outputs, encode, unpack_result)
+from longserve.startup import use_kernel_cache
 
 logger = logging.getLogger("longserve.engine")
 HEARTBEAT_TIMEOUT_S = 30.0  # a core heard from within this is alive (it beats every second)
@@ -78,12 +79,21 @@ def core_gpus(config: EngineConfig, num_local_cores: int) -> list[list[str]] | N
 
 def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddresses,
                        gpus: list[str] | None) -> subprocess.Popen:
-    """Start DP rank `dp_rank`'s engine core; on CUDA it sees its own GPUs only."""
+    """Start DP rank `dp_rank`'s engine core; on CUDA it sees its own GPUs only. Its stdin
+    carries (how to start its workers, the config, the rest) so that it can start them
+    before importing torch (engine/__main__.py)."""
     # CUDA loads every kernel's module up front, not on a first launch mid-serving: fewer
     # first-use stalls in TTFT (docs/benchmarks.md, online serving)
     env = {"CUDA_MODULE_LOADING": "EAGER", **os.environ} if gpus is not None else None
+    if gpus is not None:  # the core and its workers: this core's GPUs only
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    par = config.parallel
+    workers = None if par.replica_size == 1 else dict(
+        world=par.world_size, base=par.data_parallel_rank * par.replica_size,
+        replica=par.replica_size, init_method=addresses.dist_init if config.dp_lockstep else None)
     proc = subprocess.Popen([sys.executable, "-m", "longserve.engine"], stdin=subprocess.PIPE, env=env)
-    proc.stdin.write(pickle.dumps((config, dp_rank, addresses, gpus)))
+    proc.stdin.write(pickle.dumps((workers, pickle.dumps(config),
+                                   pickle.dumps((dp_rank, addresses, gpus, time.time())))))
     proc.stdin.close()
     return proc
 
@@ -137,6 +147,7 @@ def start_local_cores(config: EngineConfig, addresses: CoreAddresses) -> dict[in
     """One process per core of this host: `python -m longserve.engine`, its arguments pickled
     on stdin (no re-import of the caller's script, unlike spawn); core i on the i-th run of
     the visible GPUs."""
+    use_kernel_cache()  # the cores and their workers inherit it
     ranks = local_dp_ranks(config.parallel)
     gpus = core_gpus(config, len(ranks))
     return {d: start_core_process(core_config(config, d), d, addresses, gpus and gpus[i])

@@ -36,6 +36,8 @@ from longserve.engine.core import EngineCore
 from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
                                        UtilityResult, decode_command, encode, pack_result)
 from longserve.stalls import freeze_after_warm_up
+from longserve.startup import Timeline
+from longserve.worker.launch import WorkerProcs
 
 logger = logging.getLogger("longserve.engine")
 HEARTBEAT_S = 1.0
@@ -164,9 +166,12 @@ class EngineCoreProc:
 
 # ---- the process --------------------------------------------------------------------------
 def run_engine_core(config: EngineConfig, engine_index: int, addresses: CoreAddresses,
-                    gpus: list[str] | None = None) -> None:
+                    gpus: list[str] | None = None, spawned_at: float | None = None,
+                    workers: WorkerProcs | None = None) -> None:
     """Entry of an engine-core process (spawned by the front end, or by a headless host)."""
     import zmq
+    timeline = Timeline(spawned_at)
+    timeline.mark("core process start + imports")
 
     from longserve.worker.worker import exit_with_parent
     if gpus is not None:  # before anything touches CUDA: this core's GPUs only
@@ -187,7 +192,7 @@ def run_engine_core(config: EngineConfig, engine_index: int, addresses: CoreAddr
                               name="longserve-core-output", daemon=True)
     sender.start()
     try:
-        _serve(config, engine_index, addresses, dealers, outputs, owners)
+        _serve(config, engine_index, addresses, dealers, outputs, owners, timeline, workers)
     finally:
         outputs.put(None)  # flush what is queued, then stop
         sender.join(timeout=5)
@@ -195,9 +200,9 @@ def run_engine_core(config: EngineConfig, engine_index: int, addresses: CoreAddr
 
 
 def _serve(config, engine_index: int, addresses: CoreAddresses, dealers: list, outputs: queue.Queue,
-           owners: Owners) -> None:
+           owners: Owners, timeline: Timeline, workers: WorkerProcs | None) -> None:
     try:
-        core = EngineCore(config, engine_index, addresses.dist_init)
+        core = EngineCore(config, engine_index, addresses.dist_init, timeline, workers)
     except BaseException as e:
         for dealer in dealers:
             dealer.send_multipart([b"failed", encode(f"{type(e).__name__}: {e}")])

@@ -16,24 +16,26 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
+import pickle
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 import weakref
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import close_process_groups
 from longserve.kv_transfer.utils import KVOutputAggregator
+from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
-from longserve.worker.worker import SHUTDOWN, Worker, worker_main
+from longserve.worker.launch import WorkerProcs, free_port, start_workers  # noqa: F401 (free_port)
+from longserve.worker.worker import SHUTDOWN, Worker
 
 logger = logging.getLogger(__name__)
 _live: weakref.WeakSet = weakref.WeakSet()  # multi-rank executors not shut down yet
@@ -43,12 +45,6 @@ _live: weakref.WeakSet = weakref.WeakSet()  # multi-rank executors not shut down
 def shutdown_all() -> None:
     for executor in list(_live):
         executor.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launched_by_torchrun() -> bool:
@@ -75,15 +71,17 @@ class Executor:
     world (their expert layers span it): then this replica's ranks are `base ..
     base + replica_size - 1` of it and `init_method` names the world's rendezvous."""
 
-    def __init__(self, config: EngineConfig, init_method: str | None = None):
+    def __init__(self, config: EngineConfig, init_method: str | None = None,
+                 timeline: Timeline | None = None, started: WorkerProcs | None = None):
         self.config, self.world = config, config.parallel.world_size
+        self.timeline = timeline or Timeline()
+        self.started = started  # workers its process started before importing torch
         self.base = config.parallel.data_parallel_rank * config.parallel.replica_size
         self.init_method = init_method
         self.timeout = config.parallel.distributed_timeout_s
         self.procs: list = []
         self.driver: Worker | None = None
         self.failure: str | None = None
-        self.port: int | None = None
         self.progress = None  # plans received, per global rank (shared memory)
         self._closing, self._step, self._waiting = False, 0, None
         self._threads, self._owns_groups = None, False
@@ -97,7 +95,7 @@ class Executor:
         try:
             with self._waiting_for("the engine was starting"):
                 if self.world == 1:
-                    self.driver = Worker(config)
+                    self.driver = Worker(config, timeline=self.timeline)
                 elif self._torchrun:
                     self.driver = self._join_torchrun(config)
                 else:
@@ -120,20 +118,19 @@ class Executor:
         return range(self.base + 1, self.base + self.config.parallel.replica_size)
 
     def _spawn(self, config: EngineConfig) -> Worker:
-        init_method = self.init_method
-        if init_method is None:
-            self.port = free_port()
-            init_method = f"tcp://127.0.0.1:{self.port}"
-        ctx = mp.get_context("spawn")
-        self.progress = ctx.Array("q", self.world, lock=False)
-        for rank in self.worker_ranks:
-            p = ctx.Process(target=worker_main, daemon=True,
-                            args=(config, rank, init_method, rank - self.base, self.progress))
-            p.start()
-            self.procs.append(p)
+        w = self.started or start_workers(pickle.dumps(config), self.world, self.base,
+                                          config.parallel.replica_size, self.init_method)
+        self.procs, self.progress = w.procs, w.progress
         self._watchdog = threading.Thread(target=watch, args=(weakref.ref(self),), daemon=True)
         self._watchdog.start()
-        return Worker(config, self.base, init_method, 0, alive_check=self._raise_if_failed)
+        return Worker(config, self.base, w.init_method, 0, alive_check=self._raise_if_failed,
+                      timeline=self.timeline)
+
+    def worker_timelines(self) -> dict[int, list]:
+        """Each spawned worker's start-up phases (it leaves them in the store once ready)."""
+        store = self.driver.store if self.procs else None
+        return {} if store is None else {
+            r: json.loads(store.get(f"startup/{r}")) for r in self.worker_ranks}
 
     @property
     def device_names(self) -> list[str]:

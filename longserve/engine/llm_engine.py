@@ -24,6 +24,7 @@ from longserve.engine.output_processor import (EngineDeadError, EngineOverloaded
 from longserve.engine.scheduler import check_request_fits
 from longserve.inputs import parse_prompt
 from longserve.sampling_params import SamplingParams
+from longserve.startup import critical_path, describe, use_kernel_cache
 from longserve.tokenizer import load_tokenizer, render_chat
 
 logger = logging.getLogger("longserve.engine")
@@ -41,6 +42,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
                  front_end: FrontEnd | None = None):
         """front_end: one of several API servers, on cores that another process started."""
+        t0 = time.time()
+        use_kernel_cache()
         self.config, self.max_waiting = config, max_waiting
         self.tokenizer_info = load_tokenizer(config.model)
         self.tokenizer = self.tokenizer_info.tokenizer
@@ -62,6 +65,12 @@ class LLMEngine:
         self.num_blocks = min(info["num_gpu_blocks"] for info in self.infos)
         self.tokens_per_block = self.infos[0]["tokens_per_block"]
         self._grammars = None  # GrammarCompiler, built at the first structured request
+        core = self.infos[0]["startup"]  # the first core's phases: the others' run beside them
+        if front_end is not None:  # cores another process started: from their start
+            t0 = min(t0, core["start"])
+        self.startup_phases = critical_path(t0, core, time.time())
+        self.startup = describe(self.startup_phases, core["ranks"])
+        logger.info("engine %s", self.startup)
 
     # ---- tokens and text --------------------------------------------------------------
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -247,7 +256,7 @@ class LLMEngine:
                     data_parallel_size=par.data_parallel_size, num_gpu_blocks=self.num_blocks,
                     tokens_per_block=self.tokens_per_block, max_model_len=c.scheduler.max_model_len,
                     cudagraph_capture_s=self.infos[0]["cudagraph_capture_s"],
-                    load_s=max(i["load_s"] for i in self.infos))
+                    load_s=max(i["load_s"] for i in self.infos), startup=self.startup)
 
     @property
     def core(self):

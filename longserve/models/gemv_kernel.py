@@ -33,7 +33,7 @@ def _row_dot(w_ptr, x_ptr, rn, n_ok, K: tl.constexpr, BLOCK_N: tl.constexpr, BLO
     return tl.sum(acc, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one variant for the LM head's 2-16 rows
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, stride_y, K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  ONE_ROW: tl.constexpr, SILU_MUL: tl.constexpr, PRECISION: tl.constexpr):

@@ -418,7 +418,7 @@ class ModelRunner:
             kv_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             qsl=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             table=torch.zeros(max_bs, width, dtype=torch.int32, device=dev))
-        pool = torch.cuda.graph_pool_handle()
+        pool, t0 = torch.cuda.graph_pool_handle(), time.perf_counter()
         dp = self.ps.dp.world_size > 1  # expert layers: the graph of bs pads every DP rank to bs
         for bs in reversed(sizes):  # (every DP rank captures the same sizes, in this order)
             meta = self._static_decode_meta(bs)
@@ -431,6 +431,7 @@ class ModelRunner:
                 hidden = self.model(*args)
             self.graphs[bs] = (graph, hidden, meta)
         torch.cuda.synchronize(dev)
+        logger.info("captured %d decode graphs in %.1f s", len(sizes), time.perf_counter() - t0)
         if os.environ.get(PIECEWISE_MODE, "graphs") == "graphs":
             self._capture_piecewise(pool)
         self._compile_attention_variants()

@@ -35,15 +35,16 @@ import time
 import torch
 
 MAX_GRAPH_TOKENS = 8192  # past this a step's dense work dwarfs its launch overhead: eager
-BUCKET_STEP = 256  # buckets past 128 tokens: pads by < 256 rows, < 3% of the work at 8192
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Padded token counts that get graphs: 16, 32, 64, 128, then every multiple of
-    BUCKET_STEP, up to the step budget (capped at MAX_GRAPH_TOKENS), which is the largest."""
+    """Padded token counts that get graphs: doubling to 1,024 (where a step's dense work is
+    short and launch-bound), then every 512 to 4,096 and every 1,024 past it (a step pads by at
+    most 25% there), up to the step budget (capped at MAX_GRAPH_TOKENS), which is the largest.
+    17 buckets at 8,192 (each costs (L + 1) graph captures at start-up)."""
     top = min(max_tokens, MAX_GRAPH_TOKENS)
-    small = {b for b in (16, 32, 64, 128) if b < top}
-    return sorted(small | set(range(BUCKET_STEP, top, BUCKET_STEP)) | {top})
+    ladder = [16 << i for i in range(7)] + list(range(1536, 4097, 512)) + list(range(5120, top, 1024))
+    return sorted({b for b in ladder if b < top} | {top})
 
 
 def piecewise_unsupported(config) -> str | None:
@@ -143,12 +144,15 @@ class PiecewiseGraphs:
     @torch.no_grad()
     def capture(self, pool) -> int:
         """Capture every segment at every bucket, largest first, into one memory pool;
-        returns the number of graphs."""
+        returns the number of graphs. Eager runs first (Triton compiles, cuBLAS handles) at the
+        smallest and the largest bucket: the others are multiples of 16 as the smallest is, and
+        a kernel's variant follows its row count's divisibility, not its size."""
         start = time.perf_counter()
-        for b in reversed(self.buckets):
-            for i in range(self.num_layers + 1):  # warm up: Triton compiles, cuBLAS handles
+        for b in {self.buckets[0], self.buckets[-1]}:
+            for i in range(self.num_layers + 1):
                 self.segment(i, b)
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        for b in reversed(self.buckets):
             self.graphs[b] = []
             for i in range(self.num_layers + 1):
                 graph = torch.cuda.CUDAGraph()

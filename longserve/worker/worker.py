@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import build_parallel_state, close_process_groups
 from longserve.stalls import freeze_after_warm_up
+from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from longserve.worker.piecewise_graphs import piecewise_pool_bytes
@@ -64,8 +66,10 @@ def limit_cpu_threads(local_ranks: int) -> None:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
-                 local_rank: int | None = None, alive_check: Callable[[], None] | None = None):
+                 local_rank: int | None = None, alive_check: Callable[[], None] | None = None,
+                 timeline: Timeline | None = None):
         self.config, self.rank, self.store = config, rank, None
+        self.timeline = timeline or Timeline()
         world = config.parallel.world_size
         limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if config.device == "cuda":
@@ -87,9 +91,11 @@ class Worker:
                                     world_size=world, timeout=datetime.timedelta(seconds=timeout),
                                     **where)
         self.ps = build_parallel_state(config.parallel, rank)
+        self.timeline.mark("process groups")
         self.cudagraph_capture_s: float | None = None
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.ps, self.device)
+        self.timeline.mark("weights")
 
     def determine_num_blocks(self) -> int:
         """KV blocks every rank can hold (the minimum over ranks: one block id space)."""
@@ -110,6 +116,7 @@ class Worker:
                 f"the KV cache has room for no block (one block of block_size={cache.block_size} "
                 f"needs {per_block} bytes a rank); raise cpu_kv_cache_gb / gpu_memory_utilization "
                 "or lower block_size")
+        self.timeline.mark("KV sizing")
         return n
 
     def _cuda_num_blocks(self) -> int:
@@ -126,10 +133,12 @@ class Worker:
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.register_kv_caches(self.runner.kv_cache_dict,
                                                         self.runner.kv_scales())
+        self.timeline.mark("KV cache")
         if self.device.type == "cuda" and not self.config.enforce_eager:
             t0 = time.perf_counter()
             self.runner.capture_cudagraphs()
             self.cudagraph_capture_s = round(time.perf_counter() - t0, 2)
+            self.timeline.mark("CUDA graphs")
 
     def execute(self, out: SchedulerOutput, resolve: bool = True) -> ModelRunnerOutput | None:
         """resolve=False: return as soon as the step is queued on the device; the output's
@@ -167,18 +176,22 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str,
-                local_rank: int | None = None, progress=None) -> None:
+                local_rank: int | None = None, progress=None, spawned_at: float | None = None) -> None:
     """Entry of a spawned worker: follow the driver's steps until it says shutdown.
     `progress` (shared memory, one slot a rank) counts the plans this rank has received, so
-    the driver can name a rank that stopped answering."""
+    the driver can name a rank that stopped answering; its start-up phases go to the store."""
+    timeline = Timeline(spawned_at)
+    timeline.mark("process start + imports")
     if os.environ.get("LONGSERVE_TEST_WORKER_EXIT") == str(rank):  # test hook: die before joining
         os._exit(7)
     # Ctrl-C reaches the whole process group: the driver decides (drain, then SHUTDOWN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
     try:
-        worker = Worker(config, rank, init_method, local_rank)
+        worker = Worker(config, rank, init_method, local_rank, timeline=timeline)
         worker.init_cache(worker.determine_num_blocks())
+        if worker.store is not None:
+            worker.store.set(f"startup/{rank}", json.dumps(timeline.phases))
         run_worker_loop(worker, progress)
     except Exception:
         traceback.print_exc()

@@ -134,7 +134,7 @@ def banner(info: dict) -> list[str]:
             f"{tokens} tokens per engine core",
             f"Maximum concurrency for {max_len} tokens per request: {tokens / max_len:.2f}x",
             f"engine core started in {info['load_s']:.2f} s; CUDA graph capture: "
-            + ("none" if graphs is None else f"{graphs:.2f} s")]
+            + ("none" if graphs is None else f"{graphs:.2f} s"), f"engine {info['startup']}"]
 
 
 def _add_error_handlers(app: FastAPI) -> None:

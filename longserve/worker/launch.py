@@ -1,0 +1,48 @@
+"""Start a replica's worker processes, before the starting process has imported torch.
+
+An engine-core process starts its workers first thing (engine/__main__.py), so their imports
+(torch: ~5 s on the GPU hosts) run beside its own instead of after them; in-process engines
+start them from the Executor. Nothing here imports torch: a worker gets the engine config as
+the pickled bytes its core received, and unpickles it after its own imports."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import socket
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerProcs:
+    procs: list  # multiprocessing.Process of global ranks base + 1 .. base + replica - 1
+    progress: object  # plans received, per global rank (shared memory)
+    init_method: str  # the rendezvous: this replica's own, or an expert model's DP world's
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_workers(config_bytes: bytes, world: int, base: int, replica: int,
+                  init_method: str | None = None) -> WorkerProcs:
+    """Spawn ranks base + 1 .. base + replica - 1 of a `world`-rank job; without an
+    init_method the replica gets a rendezvous port of its own (rank `base` hosts it)."""
+    init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    progress = ctx.Array("q", world, lock=False)
+    procs = []
+    for rank in range(base + 1, base + replica):
+        p = ctx.Process(target=_worker_entry, daemon=True,
+                        args=(config_bytes, rank, init_method, rank - base, progress, time.time()))
+        p.start()
+        procs.append(p)
+    return WorkerProcs(procs, progress, init_method)
+
+
+def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: int, progress,
+                  spawned_at: float) -> None:
+    from longserve.worker.worker import worker_main
+    worker_main(pickle.loads(config_bytes), rank, init_method, local_rank, progress, spawned_at)
