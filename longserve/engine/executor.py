@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from longserve.config import EngineConfig
-from longserve.distributed.parallel_state import close_process_groups
+from longserve.distributed.parallel_state import close_process_groups, launched_by_torchrun
 from longserve.kv_transfer.utils import KVOutputAggregator
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
@@ -49,11 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
 def process_state(pid: int) -> str:
