@@ -147,10 +147,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = model_with_tokenizer(os.fspath(self.model), self.seed, self.tokenizer)
-        dtype = self.dtype
-        if dtype == "auto":
-            dtype = torch.float32 if device == "cpu" else (
-                torch.bfloat16 if model.checkpoint_dtype == torch.float32 else model.checkpoint_dtype)
+        dtype = self.dtype if self.dtype != "auto" else torch.float32 if device == "cpu" else (
+            torch.bfloat16 if model.checkpoint_dtype == torch.float32 else model.checkpoint_dtype)
         limit = model.max_position_embeddings
         max_model_len = limit if self.max_model_len is None else self.max_model_len
         require("max_model_len", max_model_len, integer(2, limit, what=f"an integer in [2, {limit}] "
