@@ -66,7 +66,7 @@ def kv_transfer_json(text: str) -> dict:
 
 @dataclass
 class EngineArgs:
-    """vLLM's engine arguments; a bad value is refused at construction, naming the field."""
+    """vLLM's engine arguments: a field's bad value is refused at construction, naming it."""
     model: str = arg(DEFAULT_MODEL, help="HF-format folder, a .gguf file, smollm2 (the default: "
                      "SmolLM2-135M-Instruct, fetched once) or builtin:<name> (random weights)")
     tokenizer: str | None = arg(None, help="a folder with tokenizer.json (or a .gguf) instead of the model's")
@@ -158,7 +158,7 @@ class EngineArgs:
         parallel = self._config(ParallelConfig)
         validate_dp_hosts(parallel)
         validate_parallel(parallel, model, cache, device)
-        kv_transfer = self._kv_transfer()
+        kv_transfer = self._kv_transfer()  # async_scheduling=True with KV transfer / offload: refused
         scheduler = self._config(
             SchedulerConfig, max_num_batched_tokens=self.max_num_batched_tokens or max(8192, self.max_num_seqs),
             max_model_len=max_model_len, async_scheduling=self.async_scheduling is not False
