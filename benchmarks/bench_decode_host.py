@@ -89,14 +89,14 @@ def time_attention(runner, acc: dict) -> None:
 
 def rank_main(rank, world, port, layout, args, results):
     torch.set_num_threads(1)
-    from longserve.llm import build_engine_config
+    from longserve.engine_args import EngineArgs
     from longserve.sampling_params import SamplingParams
     from longserve.step_plan import ScheduledRequest, SchedulerOutput
     from longserve.worker.worker import Worker
     L, B, steps = args.prompt_len, args.batch, args.steps
-    cfg = build_engine_config(args.model, device="cpu", load_format="dummy", enforce_eager=True,
-                              max_model_len=L + steps + 64, async_scheduling=False,
-                              cpu_kv_cache_gb=0.05, attention_backend=args.backend, **LAYOUTS[layout])
+    cfg = EngineArgs(args.model, device="cpu", load_format="dummy", enforce_eager=True,
+                     max_model_len=L + steps + 64, async_scheduling=False, cpu_kv_cache_gb=0.05,
+                     attention_backend=args.backend, **LAYOUTS[layout]).create_engine_config()
     w = Worker(cfg, rank, f"tcp://127.0.0.1:{port}")
     w.init_cache(w.determine_num_blocks())
     runner, acc = w.runner, dict(attn_s=0.0, in_attn=0, all=0, attn=0, ops=0, launches=0,

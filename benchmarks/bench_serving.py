@@ -34,7 +34,8 @@ import numpy as np
 
 from longserve import SamplingParams
 from longserve.engine.executor import free_port
-from longserve.entrypoints.cli import add_engine_args, make_llm
+from longserve.engine_args import EngineArgs
+from longserve.entrypoints.cli import make_llm
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -321,7 +322,7 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     extra = [x for x in extra if x != "--"]
     engine_ap = argparse.ArgumentParser()
-    add_engine_args(engine_ap)
+    EngineArgs.add_cli_args(engine_ap)
     engine_args = engine_ap.parse_args(extra)
     vocab = vocab_size(engine_args)
     result = dict(workload=dict(num_prompts=args.num_prompts, input_len=args.input_len,

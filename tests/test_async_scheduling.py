@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from longserve import LLM, SamplingParams
 from longserve.engine.request import Request
 from longserve.engine import executor as executor_mod
-from longserve.llm import build_engine_config
+from longserve.engine_args import EngineArgs
 from longserve.step_plan import PLACEHOLDER, DecodeRows, ScheduledRequest, SchedulerOutput
 from longserve.worker.model_runner import ModelRunner
 from longserve.worker.step_inputs import build_block_table
@@ -201,12 +201,14 @@ def test_never_plans_past_max_tokens(pair, monkeypatch):
 
 
 def test_refused_where_a_step_must_be_read_before_the_next():
-    assert build_engine_config(MODEL, device="cpu").scheduler.async_scheduling  # the default
-    assert build_engine_config(MODEL, device="cpu", data_parallel_size=2).scheduler.async_scheduling
+    def config(**kw):
+        return EngineArgs(MODEL, device="cpu", **kw).create_engine_config()
+    assert config().scheduler.async_scheduling  # the default
+    assert config(data_parallel_size=2).scheduler.async_scheduling
     with pytest.raises(ValueError, match="KV transfer or kv_offload_gb"):
-        build_engine_config(MODEL, device="cpu", kv_offload_gb=0.01, async_scheduling=True)
+        config(kv_offload_gb=0.01, async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
-        build_engine_config(MODEL, device="cpu", async_scheduling="yes")
+        config(async_scheduling="yes")
 
 
 @given(prompt=st.integers(1, 20), outputs=st.integers(0, 20), placeholders=st.integers(0, 2),

@@ -96,11 +96,11 @@ def test_piecewise_tp2_gives_the_tokens_of_one_rank(monkeypatch):
 
 
 def test_layouts_without_piecewise_graphs_run_eagerly(monkeypatch):
-    from longserve.llm import build_engine_config
+    from longserve.engine_args import EngineArgs
     from longserve.worker.piecewise_graphs import piecewise_unsupported
 
     def why(model="builtin:qwen3-tiny", **kw):
-        return piecewise_unsupported(build_engine_config(model, device="cpu", **kw))
+        return piecewise_unsupported(EngineArgs(model, device="cpu", **kw).create_engine_config())
     assert why() is None and why(tensor_parallel_size=2, decode_context_parallel_size=2) is None
     assert "expert" in why("builtin:qwen3-moe-tiny")
     assert "sequence" in why(tensor_parallel_size=2, enable_sequence_parallel=True)

@@ -119,10 +119,18 @@ def test_zeroer_rejects_bad_ids_and_layouts():
         one_layer_zeroer(torch.ones(2, 3, 2, 1, 4), kernel_block_size=2)
 
 
-def test_zeroer_without_layers_is_a_no_op():
-    zeroer = KVBlockZeroer("cpu")
-    zeroer.init_meta([], [], "auto", set(), {})
-    zeroer.zero_block_ids([1, 2])
+@pytest.mark.parametrize("use_triton", [False, pytest.param(True, marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton not installed"))])
+def test_zeroer_without_layers_is_a_no_op(use_triton):
+    # a cache that no attention group names is not the zeroer's; on CPU (no interpreter) a
+    # Triton launch would raise, so use_triton=True also shows that nothing is launched
+    other = torch.ones(2, 3, 4, 1, 4)
+    zeroer = KVBlockZeroer("cpu", use_triton=use_triton)
+    zeroer.init_meta([], [], "auto", set(), {layer(0): SimpleNamespace(kv_cache=other)})
+    assert zeroer.views == [] and zeroer.num_blocks == 0 and zeroer.seg_table is None
+    zeroer.zero_block_ids([1, 2])  # no cache: no id is out of range
+    zeroer.zero_block_ids(torch.tensor([7]))
+    assert bool((other == 1).all())
 
 
 # ----------------------------------------------------------------------------- binding

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import pickle
 import threading
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ from longserve.distributed import symm_all_reduce
 logger = logging.getLogger(__name__)
 OBJECT_BUF_BYTES = 1 << 16  # broadcast_object: one collective up to this size
 CLOSE_TIMEOUT_S = 5.0  # closing the groups with every rank present takes well under a second
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from longserve.config import EngineConfig
-from longserve.distributed.parallel_state import close_process_groups
+from longserve.distributed.parallel_state import close_process_groups, launched_by_torchrun
 from longserve.kv_transfer.utils import KVOutputAggregator
 from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
@@ -47,9 +47,6 @@ def shutdown_all() -> None:
         executor.shutdown()
 
 
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
 
 
 def process_state(pid: int) -> str:

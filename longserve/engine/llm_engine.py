@@ -15,9 +15,9 @@ import queue
 import time
 
 from longserve.config import EngineConfig
+from longserve.distributed.parallel_state import launched_by_torchrun
 from longserve.engine.core_client import FrontEnd, InprocClient, MPClient
 from longserve.engine.dp_coordinator import DPCoordinator
-from longserve.engine.executor import launched_by_torchrun
 from longserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from longserve.engine.output_processor import (EngineDeadError, EngineOverloadedError,
                                                OutputProcessor, RequestStream)

@@ -8,75 +8,12 @@ import time
 
 import numpy as np
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="HF-format folder, a .gguf file, smollm2 (the default: "
-                        "SmolLM2-135M-Instruct, fetched once) or builtin:<name> (random weights)")
-    p.add_argument("--tokenizer", default=None,
-                   help="a folder with tokenizer.json (or a .gguf) to use instead of the model's")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--cpu-kv-cache-gb", type=float, default=0.25)
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8 (e4m3)")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan step N+1 while the device runs step N (default: on where supported)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: seeded random weights (benchmarks at real shapes)")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    p.add_argument("-pcp", "--prefill-context-parallel-size", type=int, default=1)
-    p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
-    p.add_argument("-dp", "--data-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
-                   help="engine cores (DP ranks) on this host (default: all)")
-    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
-                   help="the first DP rank on this host (headless hosts)")
-    p.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
-                   help="the front end's host: engine cores of other hosts connect to it")
-    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=0,
-                   help="the front end's port for its engine cores (and the next two); 0: free ports")
-    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
-    p.add_argument("--enable-sequence-parallel", action="store_true")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="shard the experts of MoE layers over the DP x TP ranks")
-    p.add_argument("--enable-dbo", action="store_true",
-                   help="dual-batch overlap: split large MoE steps into two micro-batches")
-    p.add_argument("--dbo-decode-token-threshold", type=int, default=32)
-    p.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
-    p.add_argument("--kv-offload-gb", type=float, default=0.0,
-                   help="host pool (GiB, pinned on CUDA) for prefix-cache blocks evicted from the device")
-    p.add_argument("--kv-transfer-config", type=kv_transfer_json, default=None,
-                   help='JSON, e.g. \'{"kv_role": "kv_producer", "kv_lease_s": 30}\'')
-
-
-def kv_transfer_json(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--kv-transfer-config is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--kv-transfer-config must be a JSON object")
-    return value
-
-
-def engine_kwargs(args) -> dict:
-    """build_engine_config's keywords: the value of every flag of add_engine_args but --model."""
-    flags = argparse.ArgumentParser(add_help=False)
-    add_engine_args(flags)
-    return {k: getattr(args, k) for k in vars(flags.parse_args([])) if k != "model"}
+from longserve.engine_args import EngineArgs
 
 
 def make_llm(args):
     from longserve import LLM
-    return LLM(args.model, **engine_kwargs(args))
+    return LLM(**vars(EngineArgs.from_cli_args(args)))
 
 
 def sampling_from_args(args):
@@ -145,8 +82,7 @@ def cmd_bench(args) -> None:
 
 
 def engine_config(args):
-    from longserve.llm import build_engine_config
-    return build_engine_config(args.model, **engine_kwargs(args))
+    return EngineArgs.from_cli_args(args).create_engine_config()
 
 
 def cmd_serve(args) -> None:
@@ -218,17 +154,17 @@ def main(argv=None) -> None:
     for name, doc in (("generate", "generate text for prompts"),
                       ("chat", "generate --chat: each prompt is a user message")):
         gen = sub.add_parser(name, help=doc)
-        add_engine_args(gen)
+        EngineArgs.add_cli_args(gen)
         add_generate_args(gen)
         gen.set_defaults(func=cmd_generate, chat=name == "chat")
     bench = sub.add_parser("bench", help="offline throughput and time to first token")
-    add_engine_args(bench)
+    EngineArgs.add_cli_args(bench)
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=32)
     bench.add_argument("--num-prompts", type=int, default=16)
     bench.set_defaults(func=cmd_bench)
     serve = sub.add_parser("serve", help="serve the OpenAI HTTP API (completions, chat, metrics)")
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
     proxy = sub.add_parser("proxy", help="one endpoint in front of a prefill and a decode instance")
