@@ -65,10 +65,10 @@ def profile_steps(core, steps: int) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
 
 
-def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0):
+def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0, profile_chunk: int = 0):
     """Step the core through the prompts' chunks, then their decode steps; (requests, prefill
     seconds, decode step seconds: the steps where every request decodes). profile: that many
-    such steps under the profiler."""
+    such steps under the profiler; profile_chunk: the prefill step of that index under it."""
     reqs = []
     for prompt in prompts:
         req = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True))
@@ -83,6 +83,9 @@ def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0):
         elif prefill_s is None:
             print(f"  prefilled {sum(r.num_computed_tokens for r in reqs)} tokens at {t - t0:.1f} s "
                   f"(step {time.perf_counter() - t:.2f} s)", flush=True)
+            profile_chunk -= 1
+            if profile_chunk == 0:
+                profile_steps(core, 1)
         elif all(1 < len(r.output_token_ids) < decode for r in reqs):
             step_times.append(time.perf_counter() - t)
             if profile and len(step_times) == 8:
@@ -134,7 +137,7 @@ def decode_run(llm, prompts, args, kv_cache_dtype: str) -> float:
         if args.batch > 1:  # prefill them all first; then each decodes from the prefix cache
             prefill_s = prefill_and_decode(llm.engine, core, prompts, 1)[1]
         reqs, prefill2_s, step_times = prefill_and_decode(llm.engine, core, prompts, args.decode,
-                                                          args.profile)
+                                                          args.profile, args.profile_chunk)
         prefill_s = prefill2_s if args.batch == 1 else prefill_s
     ranks = args.pcp * args.tp
     flops = args.batch * (2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS)
@@ -168,12 +171,17 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="requests, each with a --tokens prompt")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", type=int, default=0, help="profile this many decode steps (rank 0)")
+    ap.add_argument("--profile-chunk", type=int, default=0, help="profile the prefill step after this one")
     ap.add_argument("--kv-cache-dtype", default="auto", help="a comma list: auto, fp8")
     ap.add_argument("--bw", type=float, default=4.2e12, help="HBM bytes/s for the floor (H200: 4.2e12)")
     ap.add_argument("--load", action="store_true",
                     help="output tok/s of the batch in one generate (e.g. --batch 32 --tokens 16384 "
                          "--decode 1024 --pcp 1: FP8 under load)")
+    ap.add_argument("--fail-on-compile", action="store_true",
+                    help="fail the run when a kernel compiles after the engine is ready")
     args = ap.parse_args()
+    if args.fail_on_compile:  # the engine's processes inherit it (longserve/stalls.py)
+        os.environ["LONGSERVE_FAIL_ON_COMPILE"] = "1"
     steps = {d: run(args, d) for d in args.kv_cache_dtype.split(",")}
     if {"auto", "fp8"} <= set(steps):
         what = "output tok/s" if args.load else "decode step"

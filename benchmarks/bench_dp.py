@@ -193,7 +193,11 @@ def main() -> None:
                    choices=["tp2", "dp2ep", "dp2ep-dbo", "tp2-dbo"], help="moe: the layouts to run")
     p.add_argument("--dbo-batches", type=int, nargs="*", default=None,
                    help="the batches at which the DBO layouts run (default: all)")
+    p.add_argument("--fail-on-compile", action="store_true",
+                    help="fail the run when a kernel compiles after the engine is ready")
     args = p.parse_args()
+    if args.fail_on_compile:  # the engine's processes inherit it (longserve/stalls.py)
+        os.environ["LONGSERVE_FAIL_ON_COMPILE"] = "1"
     rows = bench_dense(args) if args.mode == "dense" else bench_moe(args)
     print_table(rows)
     summary = dict(mode=args.mode, rows=rows)

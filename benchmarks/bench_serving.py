@@ -319,7 +319,11 @@ def main() -> None:
     ap.add_argument("--no-inproc", action="store_true", help="offline through the core process only")
     ap.add_argument("--no-warm-up", action="store_true",
                     help="no warm-up requests: the first rate is a fresh server's first traffic")
+    ap.add_argument("--fail-on-compile", action="store_true",
+                    help="fail the run when a kernel compiles after the engine is ready")
     args, extra = ap.parse_known_args()
+    if args.fail_on_compile:  # the engine's processes inherit it (longserve/stalls.py)
+        os.environ["LONGSERVE_FAIL_ON_COMPILE"] = "1"
     extra = [x for x in extra if x != "--"]
     engine_ap = argparse.ArgumentParser()
     EngineArgs.add_cli_args(engine_ap)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import time
 
 from tqdm import tqdm
 
@@ -31,8 +32,9 @@ class LLM:
     are EngineArgs' fields."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        started_at = time.time()  # the start-up timeline's front end includes the config
         self.config = EngineArgs(model=model, **kwargs).create_engine_config()
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, started_at=started_at)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -35,7 +35,7 @@ from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunnerOutput
 from longserve.worker.launch import WorkerProcs, free_port, start_workers  # noqa: F401 (free_port)
-from longserve.worker.worker import SHUTDOWN, Worker
+from longserve.worker.worker import SHUTDOWN, Worker, worker_main
 
 logger = logging.getLogger(__name__)
 _live: weakref.WeakSet = weakref.WeakSet()  # multi-rank executors not shut down yet

@@ -40,9 +40,10 @@ def use_multiprocessing(config: EngineConfig) -> bool:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
-                 front_end: FrontEnd | None = None):
-        """front_end: one of several API servers, on cores that another process started."""
-        t0 = time.time()
+                 front_end: FrontEnd | None = None, started_at: float | None = None):
+        """front_end: one of several API servers, on cores that another process started;
+        started_at: when the caller began (start-up timeline)."""
+        t0 = started_at or time.time()
         use_kernel_cache()
         self.config, self.max_waiting = config, max_waiting
         self.tokenizer_info = load_tokenizer(config.model)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from longserve.config import EngineConfig
+from longserve.distributed import symm_all_reduce
 from longserve.distributed.parallel_state import build_parallel_state, close_process_groups
 from longserve.stalls import freeze_after_warm_up
 from longserve.startup import Timeline
@@ -80,6 +81,8 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
+            if config.device == "cuda":
+                symm_all_reduce.warm_allocator(self.device)
             timeout = config.parallel.distributed_timeout_s
             where = dict(init_method=init_method)
             if init_method.startswith("tcp://"):  # spawned here; torchrun's env:// joins as is
