@@ -32,7 +32,7 @@ from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import close_process_groups
 from longserve.kv_transfer.utils import KVOutputAggregator
 from longserve.step_plan import SchedulerOutput
-from longserve.worker.model_runner import ModelRunnerOutput
+from longserve.worker.step_sampler import ModelRunnerOutput
 from longserve.worker.worker import SHUTDOWN, Worker, worker_main
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class PendingStep:
         """A step with structured requests: sample with their grammar bitmask (rank 0 samples
         and broadcasts the ids; the other ranks wait for them inside the step)."""
         ex = self.executor
-        ex._in_step(f"sampling step {self.step}", ex.driver.runner.sample_deferred, self.output, bitmask)
+        ex._in_step(f"sampling step {self.step}", ex.driver.runner.sampling.sample_deferred, self.output, bitmask)
 
     def result(self) -> ModelRunnerOutput | None:
         ex = self.executor
