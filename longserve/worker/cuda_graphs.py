@@ -36,13 +36,11 @@ class DecodeGraphs:
         """Largest first, into one memory pool (every DP rank captures the same sizes, in this
         order); table_width: kernel blocks of the longest request."""
         max_bs, dev = sizes[-1], self.device
+        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
         self.static = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slots=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            kv_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            qsl=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            table=torch.zeros(max_bs, table_width, dtype=torch.int32, device=dev))
+            input_ids=torch.zeros(max_bs, **i64), positions=torch.zeros(max_bs, **i64),
+            slots=torch.full((max_bs,), -1, **i64), kv_lens=torch.zeros(max_bs, **i32),
+            qsl=torch.arange(max_bs + 1, **i32), table=torch.zeros(max_bs, table_width, **i32))
         dp = self.ps.dp.world_size > 1  # expert layers: the graph of bs pads every DP rank to bs
         for bs in reversed(sizes):
             meta = self._meta(bs)

@@ -46,7 +46,7 @@ def choose_backend(config: EngineConfig, device: torch.device):
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention backend {name!r} needs a CUDA device "
                          "(or TRITON_INTERPRET=1 to run its kernels on the CPU)")
-    return TritonAttentionBackend()
+    return TritonAttentionBackend(device, config.dtype, config.model.head_dim)
 
 
 class ModelRunner:

@@ -72,13 +72,18 @@ class StepSampler:
         """Sample on the first rank of the model group (the first PCP rank's first TP rank);
         the output's ids stay pending until resolve(). A step with a structured request
         leaves its logits in `output.deferred` (see sample_deferred)."""
-        d = out.decodes
         sampling = (out.sampling_req_ids(),
-                    d.seed_offsets + [r.seed_offset for r in out.requests if r.sample])
+                    out.decodes.seed_offsets + [r.seed_offset for r in out.requests if r.sample])
         output, logits = None, None
         _, _, _, structured, _, greedy = self.batch_params(sampling[0])
         if self.ps.pcp.rank_in_group == 0:  # the first PCP rank's TP group takes the logits
-            output, logits = self._logits_here(out.requests, hidden, inp, greedy)
+            prompt_lps = {}
+            if inp.prompt_logprob_rows is not None:  # every TP rank joins the logits gathers
+                prompt_lps = self.prompt_logprobs(out.requests, hidden, inp.prompt_logprob_rows)
+            rows = hidden[inp.logits_indices]  # plain greedy rows: their argmax ids instead
+            logits = self.model.greedy_tokens(rows) if greedy else self.model.compute_logits(rows)
+            if logits is not None:  # the first TP rank
+                output = ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps)
         if logits is not None and structured:
             output.deferred = (sampling, logits)
         else:
@@ -90,17 +95,6 @@ class StepSampler:
         (sampling, logits), output.deferred = output.deferred, None
         apply_token_bitmask(logits, *bitmask)
         self._finish(output, sampling, logits)
-
-    def _logits_here(self, reqs, hidden, inp, greedy: bool):
-        """(output, the rows' logits) on the first TP rank; greedy: their argmax ids instead."""
-        prompt_lps = {}
-        if inp.prompt_logprob_rows is not None:  # every TP rank joins the logits gathers
-            prompt_lps = self.prompt_logprobs(reqs, hidden, inp.prompt_logprob_rows)
-        rows = hidden[inp.logits_indices]
-        logits = self.model.greedy_tokens(rows) if greedy else self.model.compute_logits(rows)
-        if logits is None:
-            return None, None
-        return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps), logits
 
     def batch_params(self, ids: list[str]) -> tuple:
         """(params, logit biases, row of each id, any structured, any logprobs, plain greedy)
@@ -119,7 +113,7 @@ class StepSampler:
 
     def _finish(self, output, sampling, logits) -> None:
         """logits: the rows' logits on the first TP rank (plain greedy rows: their argmax ids,
-        as _logits_here took them)."""
+        as sample() took them)."""
         ids, seed_offsets = sampling
         tokens = None
         params, biases, row_of, _, any_logprobs, greedy = self.batch_params(ids)
@@ -130,18 +124,11 @@ class StepSampler:
                 lps = self.sampler.logprobs(logits, params, list(output.resolve().sampled.values()))
                 output.logprobs = {i: lp for i, lp in zip(ids, lps) if lp is not None}
         if self.async_scheduling:
-            self._keep_sampled(ids, tokens, row_of)
-
-    def _keep_sampled(self, ids: list[str], tokens: torch.Tensor | None,
-                      row_of: dict[str, int]) -> None:
-        if not ids:
-            self.last_sampled = None
-            return
-        if self.ps.model.world_size > 1:  # every rank embeds the next step's ids
-            if tokens is None:
-                tokens = torch.empty(len(ids), dtype=torch.int64, device=self.device)
-            self.ps.model.broadcast(tokens)
-        self.last_sampled = tokens, row_of, ids
+            if ids and self.ps.model.world_size > 1:  # every rank embeds the next step's ids
+                if tokens is None:
+                    tokens = torch.empty(len(ids), dtype=torch.int64, device=self.device)
+                self.ps.model.broadcast(tokens)
+            self.last_sampled = (tokens, row_of, ids) if ids else None
 
     def prompt_logprobs(self, reqs: list[ScheduledRequest], hidden,
                         rows) -> dict[str, list[dict[int, float]]]:
