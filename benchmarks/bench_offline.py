@@ -318,10 +318,10 @@ def ours(model, args, wl: Workload, bw):
 HOST_PARTS = [("schedule", "scheduler", "schedule"),
               ("prepare_step", "longserve.worker.model_runner", "prepare_step"),
               ("run_model", "runner", "run_model"),
-              ("sample", "runner", "sample"),
+              ("sample", "longserve.worker.step_sampler:StepSampler", "sample"),
               # waiting for the sampled ids (their copy to the host): with asynchronous
               # scheduling the only wait for the device in a step
-              ("token_wait", "longserve.worker.model_runner:ModelRunnerOutput", "resolve"),
+              ("token_wait", "longserve.worker.step_sampler:ModelRunnerOutput", "resolve"),
               ("update_from_output", "scheduler", "update_from_output"),
               ("outputs", "engine", "_outputs")]
 

@@ -262,17 +262,20 @@ def test_coordinated_steps_replay_the_graph_that_holds_them():
     from types import SimpleNamespace
 
     from longserve.config import ParallelConfig
+    from longserve.worker.cuda_graphs import DecodeGraphs
     from longserve.worker.dp_step import run_coordinated
-    from longserve.worker.model_runner import ModelRunner
+
+    class Graphs(DecodeGraphs):
+        def __init__(self):
+            self.graphs = {1: None, 8: None}
+
+        def replay(self, inp, bs):
+            Runner.calls.append(("graph", inp is None, bs))
 
     class Runner:
         config = SimpleNamespace(parallel=ParallelConfig())
         ps = SimpleNamespace(dp=None, layout=SimpleNamespace(dp_rank=0))
-        graphs, calls = {1: None, 8: None}, []
-        graph_size = ModelRunner.graph_size
-
-        def replay_graph(self, inp, bs):
-            self.calls.append(("graph", inp is None, bs))
+        graphs, calls = Graphs(), []
 
         def model(self, ids, positions, meta, sp, dp_pad):
             self.calls.append(("eager", dp_pad))

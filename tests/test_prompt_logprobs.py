@@ -59,7 +59,7 @@ def assert_all_match(outs, ps, model, k=VOCAB):
 def test_matches_hf_with_chunked_prefill(hf_models, arch, pool_whole):
     path, model = hf_models[arch]
     llm = LLM(path, device="cpu", max_num_batched_tokens=16, block_size=4)
-    llm.engine.core.executor.driver.runner.prompt_logprob_rows_per_slice = 3  # logits in slices
+    llm.engine.core.executor.driver.runner.sampling.prompt_logprob_rows_per_slice = 3  # logits in slices
     ps = prompts()
     assert_all_match(generate(llm, ps), ps, model)
     pool_whole(llm)

@@ -12,9 +12,20 @@ Per layer and step (see attention/metadata.py for the row layout):
    partial results of every shard are merged by log-sum-exp.
 3. Prefill rows attend causally to the step's new K/V (the suffix) and to the cached
    context before the chunk (the prefix, sharded like a decode); the two merge by LSE.
+
+On CUDA in half precision (float32 and the CPU: the torch reference math) the kernel is a
+lookup of the step's shapes against the thresholds below, nothing tried per call:
+- decode rows, and the prefix of requests with < DENSE_PREFIX_MIN_ROWS rows: Triton paged;
+- longer prefixes: K/V gathered, then one flash varlen call if no request has more than
+  FLASH_MAX_WORK rows x keys, else SDPA a request;
+- new tokens: one flash varlen call without PCP (unless one chunk of > FLASH_MAX_WORK ** 0.5
+  rows: SDPA), else SDPA a segment.
+SDPA with the LSE runs the first of cuDNN, flash, memory-efficient that runs here, probed
+once per dtype and head size when the backend is built (`sdpa_choice`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +40,38 @@ from longserve.attention.kv_cache_spec import MultipleOf
 from longserve.attention.kv_quant import dequantize_kv, quantize_kv
 from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
 from longserve.host_to_device import to_device
+
+HALF = (torch.float16, torch.bfloat16)
+# Prefix attention with at least this many query rows a request is compute-bound: gathering
+# the request's cached K/V into one contiguous tensor costs a copy of the shard (~1 ms for
+# 256K tokens) and buys the fused dense kernel's speed (cuDNN ~600 TFLOP/s on H200; the 1M-token
+# run of docs/benchmarks.md).
+DENSE_PREFIX_MIN_ROWS = 128
+# Below this many (query row x key) pairs per request, attention costs less than cuDNN's
+# set-up for a new shape (~1 ms of host time a call, and chunked prefill changes the shape
+# every step: 35 ms of a 45 ms mixed step, docs/benchmarks.md): flash varlen, which has no
+# per-shape set-up, takes those.
+FLASH_MAX_WORK = 1 << 26
+
+
+def _fused(q) -> bool:  # CUDA rows in half precision: the fused kernels' (else the reference)
+    return q.is_cuda and q.dtype in HALF
+
+
+def _dense_prefix(q, part: PagedPart) -> bool:  # gather the prefix K/V (else Triton paged)
+    return part.max_query_len >= DENSE_PREFIX_MIN_ROWS and _fused(q)
+
+
+def _flash_prefix(q, part: PagedPart) -> bool:  # all in one flash call (else SDPA a request)
+    qsl = part.query_start_loc_cpu
+    return _fused(q) and max((qsl[r + 1] - qsl[r]) * n
+                             for r, n in enumerate(part.kv_lens_cpu)) <= FLASH_MAX_WORK
+
+
+def _flash_suffix(q, meta: AttentionMetadata) -> bool:  # one flash call (else SDPA a segment)
+    vl = meta.prefill_varlen
+    return vl is not None and _fused(q) and \
+        not (len(meta.prefill_segments) == 1 and vl.max_len > FLASH_MAX_WORK ** 0.5)
 
 
 class Attention(nn.Module):
@@ -203,34 +246,25 @@ class TritonAttentionBackend(TorchAttentionBackend):
     """CUDA: Triton kernels for the paged cache, cuDNN / flash SDPA for the new tokens."""
     name = "TRITON"
 
+    def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int):
+        from longserve.attention import triton_kernels as tk  # (Triton only where this runs)
+        self.store_kv, self.paged_kernel = tk.store_kv, tk.paged_attention_lse
+        self.merge_states, self.merge_partials = tk.merge_attn_states_triton, tk.merge_partials_triton
+        if device.type == "cuda":  # which SDPA op runs: decided now, before serving
+            sdpa_choice(device, dtype, head_dim)
+
     @staticmethod
     def get_supported_kernel_block_sizes():
         return [16, 32, 64, 128]
 
-    @staticmethod
-    def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale=None):
-        from longserve.attention.triton_kernels import store_kv
-        store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
-
-    @staticmethod
-    def merge_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse=None):
-        from longserve.attention.triton_kernels import merge_attn_states_triton
-        merge_attn_states_triton(output, prefix_out, prefix_lse, suffix_out, suffix_lse, output_lse)
-
-    @staticmethod
-    def merge_partials(parts, dtype):
-        from longserve.attention.triton_kernels import merge_partials_triton
-        return merge_partials_triton(parts, dtype)
-
-    @staticmethod
-    def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None, out=None, lse=None):
+    def paged_attention(self, q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None, out=None,
+                        lse=None):
         """out / lse (with packed_paged_attention): where the Triton kernel writes."""
         if _dense_prefix(q, part) and out is None:
             return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
-        from longserve.attention.triton_kernels import paged_attention_lse
-        return paged_attention_lse(q, k_cache, v_cache, part.block_table, part.query_start_loc,
-                                   part.kv_lens, scale, part.max_query_len, kv_scale=kv_scale,
-                                   out=out, lse=lse)
+        return self.paged_kernel(q, k_cache, v_cache, part.block_table, part.query_start_loc,
+                                 part.kv_lens, scale, part.max_query_len, kv_scale=kv_scale,
+                                 out=out, lse=lse)
 
     def packed_paged_attention(self, q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
         """The kernel writes out and LSE straight into the exchange's layout: no cast, no cat."""
@@ -243,10 +277,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def suffix_attention(self, q, k, v, meta: AttentionMetadata, scale, need_lse):
         """The requests' chunks (no PCP) in one flash varlen call instead of one call each; a
         single long chunk keeps cuDNN (faster there, and its per-shape set-up is amortised)."""
-        vl = meta.prefill_varlen
-        if vl is None or q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or \
-                (len(meta.prefill_segments) == 1 and vl.max_len > FLASH_MAX_WORK ** 0.5):
+        if not _flash_suffix(q, meta):
             return super().suffix_attention(q, k, v, meta, scale, need_lse)
+        vl = meta.prefill_varlen
         return varlen_causal(q, k[vl.k_begin:vl.k_end], v[vl.k_begin:vl.k_end], vl, scale)
 
     @staticmethod
@@ -262,7 +295,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
 
 def sdpa_with_lse(q, k, v, causal: bool, scale: float):
-    """Fused attention that also returns the LSE (cuDNN, else flash), [S, H, D] layout."""
+    """Fused attention that also returns the LSE (the op `sdpa_choice` found), [S, H, D] layout."""
     if k.shape[0] == 0 or q.device.type != "cuda":
         out, lse = reference_attention(q, k, v, causal, scale)
         return out.to(q.dtype), lse
@@ -274,23 +307,15 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     group = q.shape[1] // k.shape[1]
     if not causal and group > 1:  # GQA without copying K/V: fold each group's heads into rows
         return _folded_gqa(q, k, v, scale)
-    qt = q.transpose(0, 1).unsqueeze(0)
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    res = _cudnn_native_gqa(qt, k, v, causal, scale) if group > 1 and half else None
-    if res is None:
-        kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-        vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-        # the private cuDNN / flash ops skip SDPA's dtype checks: never give them float32
-        ops = (_cudnn_with_lse, _flash_with_lse, _efficient_with_lse) if half else (_efficient_with_lse,)
-        for op in ops:
-            try:
-                res = op(qt, kt, vt, causal, scale)
-                break
-            except (RuntimeError, TypeError, NotImplementedError):
-                continue
-    if res is None:
+    op, cudnn_gqa = sdpa_choice(q.device, q.dtype, q.shape[2])
+    if op is None:  # no fused op runs here
         out, lse = reference_attention(q, k, v, causal, scale)
         return out.to(q.dtype), lse
+    if group > 1 and cudnn_gqa:  # cuDNN takes the fewer K/V heads: no copy
+        op = "cudnn"
+    else:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    res = SDPA_WITH_LSE[op](*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), causal, scale)
     # out [H, S, D]; lse [H, S] (flash), [H, S, 1] (cuDNN) or [H, S'] with S' >= S (efficient pads)
     out, lse = res[0][0], res[1][0].reshape(q.shape[1], -1)[:, :q.shape[0]]
     return out.transpose(0, 1), lse.float().transpose(0, 1).contiguous()
@@ -308,21 +333,33 @@ def _folded_gqa(q, k, v, scale):
     return out, lse.view(s, g, hkv).permute(0, 2, 1).reshape(s, hq)
 
 
-# Prefix attention with at least this many query rows a request is compute-bound: gathering
-# the request's cached K/V into one contiguous tensor costs a copy of the shard (~1 ms for
-# 256K tokens) and buys the fused dense kernel's speed (cuDNN ~600 TFLOP/s on H200).
-DENSE_PREFIX_MIN_ROWS = 128
+# The fused SDPA kernels that return the LSE, private ATen ops that skip SDPA's checks (never
+# give cuDNN or flash float32: wrong values): [B, H, S, D] in, (out [B, H, S, D], lse, ...) out.
+SDPA_WITH_LSE = {
+    "cudnn": lambda q, k, v, causal, scale: torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale),
+    "flash": lambda q, k, v, causal, scale: torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale),
+    "efficient": lambda q, k, v, causal, scale: torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale)}
 
 
-def _dense_prefix(q, part: PagedPart) -> bool:
-    return part.max_query_len >= DENSE_PREFIX_MIN_ROWS and q.dtype in (torch.float16, torch.bfloat16) \
-        and q.is_cuda
-
-
-# Below this many (query row x key) pairs per request, attention costs less than cuDNN's
-# set-up for a new shape (~1 ms of host time a call, and chunked prefill changes the shape
-# every step): flash varlen, which has no per-shape set-up, takes those.
-FLASH_MAX_WORK = 1 << 26
+@functools.cache
+def sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str | None, bool]:
+    """(the first op of SDPA_WITH_LSE that runs this dtype and head size on this GPU and
+    torch build, None: the reference math; whether cuDNN takes fewer K/V heads than query
+    heads), found once by trying each on small causal and full shapes."""
+    def runs(op: str, kv_heads: int) -> bool:
+        q = torch.zeros(1, 2, 17, head_dim, dtype=dtype, device=device)
+        k = torch.zeros(1, kv_heads, 17, head_dim, dtype=dtype, device=device)
+        try:
+            for causal in (True, False):
+                SDPA_WITH_LSE[op](q, k, k, causal, 1.0)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
+        return True
+    ops = ("cudnn", "flash", "efficient") if dtype in HALF else ("efficient",)
+    return next((op for op in ops if runs(op, 2)), None), dtype in HALF and runs("cudnn", 1)
 
 
 def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
@@ -330,9 +367,7 @@ def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_sca
     reference math on CPU, fused kernels on CUDA). The reference paged attention, and the CUDA
     path for long chunks. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32. An FP8 cache
     is dequantized (kv_scale [2, Hkv]) to q's dtype as it is gathered."""
-    qsl = part.query_start_loc_cpu
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and max(
-            (qsl[r + 1] - qsl[r]) * n for r, n in enumerate(part.kv_lens_cpu)) <= FLASH_MAX_WORK:
+    if _flash_prefix(q, part):
         return flash_prefix_attention(q, k_cache, v_cache, part, scale, kv_scale)
     k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
     page, hkv, d = k_cache.shape[1:]
@@ -440,34 +475,3 @@ def varlen_causal(q, k, v, vl: VarlenLayout, scale: float):
         q, k, v, vl.cu_seqlens, vl.cu_seqlens, vl.max_len, vl.max_len, 0.0, True, False,
         scale=scale)[:2]
     return out, lse.transpose(0, 1)  # varlen lse is [Hq, T]
-
-
-_CUDNN_GQA = {"ok": True}  # cleared the first time cuDNN refuses unequal head counts
-
-
-def _cudnn_native_gqa(qt, k, v, causal, scale):
-    """cuDNN with fewer K/V heads than query heads (no K/V copy), where this build allows it."""
-    if not _CUDNN_GQA["ok"]:
-        return None
-    try:
-        return _cudnn_with_lse(qt, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                               causal, scale)
-    except (RuntimeError, TypeError, NotImplementedError):
-        _CUDNN_GQA["ok"] = False
-        return None
-
-
-# The fused SDPA kernels that return the LSE are private ATen ops: [B, H, S, D] in,
-# (out [B, H, S, D], lse [B, H, S]) out.
-def _cudnn_with_lse(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
-                                                              False, scale=scale)
-
-
-def _flash_with_lse(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-
-
-def _efficient_with_lse(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                  scale=scale)

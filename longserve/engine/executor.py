@@ -33,8 +33,8 @@ from longserve.distributed.parallel_state import close_process_groups, launched_
 from longserve.kv_transfer.utils import KVOutputAggregator
 from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
-from longserve.worker.model_runner import ModelRunnerOutput
 from longserve.worker.launch import WorkerProcs, free_port, start_workers  # noqa: F401 (free_port)
+from longserve.worker.step_sampler import ModelRunnerOutput
 from longserve.worker.worker import SHUTDOWN, Worker, worker_main
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class PendingStep:
         """A step with structured requests: sample with their grammar bitmask (rank 0 samples
         and broadcasts the ids; the other ranks wait for them inside the step)."""
         ex = self.executor
-        ex._in_step(f"sampling step {self.step}", ex.driver.runner.sample_deferred, self.output, bitmask)
+        ex._in_step(f"sampling step {self.step}", ex.driver.runner.sampling.sample_deferred, self.output, bitmask)
 
     def result(self) -> ModelRunnerOutput | None:
         ex = self.executor

@@ -6,7 +6,7 @@ Each DP rank is an engine core of its own (engine/core_proc.py) with its own pla
   token count, micro-batching only if all can), because every rank joins every expert
   collective. A DP rank with no requests in a lockstep step runs `run_dummy_step`: a
   one-token forward that writes no KV and samples nothing.
-- Decode steps replay CUDA graphs (worker/model_runner.py): each rank offers the size of the
+- Decode steps replay CUDA graphs (worker/cuda_graphs.py): each rank offers the size of the
   graph that holds its tokens; if every rank has one, all replay the largest offered (so
   every expert collective has one shape), an idle rank's dummy step included.
 - Dual-batch overlap (DBO): the step's requests split at the request boundary that best
@@ -52,7 +52,7 @@ def run_coordinated(runner, rows: StepRows, table: np.ndarray,
     n = inp.num_local_tokens
     per_req = rows.n
     allow_ubatch = wants_dbo(par, inp) and len(per_req) >= 2  # micro-batches run eagerly
-    graph = runner.graph_size(n) if (inp.is_pure_decode or dummy) and not allow_ubatch else None
+    graph = runner.graphs.size(n) if (inp.is_pure_decode or dummy) and not allow_ubatch else None
     padded = n if graph is None else graph
     if allow_ubatch:  # both micro-batches are padded to the larger one's size
         k = balanced_split(per_req)
@@ -62,7 +62,7 @@ def run_coordinated(runner, rows: StepRows, table: np.ndarray,
         NO_GRAPH if graph is None else FULL_GRAPH, dp_group=ps.dp)
     dp_pad = int(after_padding[ps.layout.dp_rank])
     if mode == FULL_GRAPH:
-        return runner.replay_graph(None if dummy else inp, dp_pad)
+        return runner.graphs.replay(None if dummy else inp, dp_pad)
     if not should_ubatch:
         sp = is_residual_scattered_for_sp(runner.config, n)
         return runner.model(inp.input_ids, inp.positions, inp.meta, sp, dp_pad)

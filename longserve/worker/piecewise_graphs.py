@@ -30,10 +30,15 @@ replay full graphs; DP ranks agree on each step's size), sequence parallelism, P
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 
 import torch
 
+logger = logging.getLogger(__name__)
+# LONGSERVE_PIECEWISE: "off" runs steps with prefill eagerly even with CUDA graphs; "eager"
+# runs them through the piecewise runner with its graphs off (CPU tests of that path)
+PIECEWISE_MODE = "LONGSERVE_PIECEWISE"
 MAX_GRAPH_TOKENS = 8192  # past this a step's dense work dwarfs its launch overhead: eager
 
 
@@ -57,6 +62,21 @@ def piecewise_unsupported(config) -> str | None:
     if par.prefill_context_parallel_size > 1:
         return "PCP token counts differ per rank"
     return None
+
+
+def build_piecewise(config, model, device, pool=None) -> PiecewiseGraphs | None:
+    """The piecewise runner of this EngineConfig (None: steps with prefill run eagerly); with
+    a memory pool its graphs are captured there, else its segments run uncaptured (CPU)."""
+    reason = piecewise_unsupported(config)
+    if reason is not None:
+        logger.info("steps with prefill run eagerly: %s", reason)
+        return None
+    pw = PiecewiseGraphs(model, config.scheduler.max_num_batched_tokens, device, pool is not None)
+    if pool is not None:
+        n = pw.capture(pool)
+        logger.info("captured %d piecewise graphs (%d buckets up to %d tokens) in %.1f s", n,
+                    len(pw.buckets), pw.buckets[-1], pw.capture_s)
+    return pw
 
 
 def piecewise_pool_bytes(config, activation_peak: int) -> int:

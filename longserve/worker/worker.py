@@ -22,7 +22,8 @@ from longserve.distributed.parallel_state import build_parallel_state, close_pro
 from longserve.stalls import freeze_after_warm_up
 from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
-from longserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from longserve.worker.model_runner import ModelRunner
+from longserve.worker.step_sampler import ModelRunnerOutput
 from longserve.worker.piecewise_graphs import piecewise_pool_bytes
 from longserve.worker.utils import MemorySnapshot, request_memory
 
@@ -157,8 +158,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no replay in flight while its graph goes
         if self.runner is not None:  # the graphs go now even if something still holds the runner
-            self.runner.graphs.clear()
-            self.runner.piecewise = None
+            self.runner.graphs = self.runner.piecewise = None
         self.runner = self.ps = None
         gc.collect()
         if self.device.type == "cuda":
