@@ -89,7 +89,7 @@ def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddres
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     par = config.parallel
     workers = None if par.replica_size == 1 else dict(
-        world=par.world_size, base=par.data_parallel_rank * par.replica_size,
+        base=par.data_parallel_rank * par.replica_size,
         replica=par.replica_size, init_method=addresses.dist_init if config.dp_lockstep else None)
     proc = subprocess.Popen([sys.executable, "-m", "longserve.engine"], stdin=subprocess.PIPE, env=env)
     proc.stdin.write(pickle.dumps((workers, pickle.dumps(config),

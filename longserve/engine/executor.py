@@ -1,12 +1,13 @@
 """Drive the workers of one model replica from the engine process.
 
 The engine process is rank 0 and runs its own worker in-process. With more ranks on
-this host it spawns one process per other rank; each step the plan is broadcast over a
-gloo group and every rank runs it. Under torchrun every rank already exists: ranks other
-than 0 enter the worker loop.
+this host it spawns one process per other rank; each step the plan goes to them through a
+ring in shared memory (distributed/shm_broadcast.py) and every rank runs it. Under torchrun
+every rank already exists (perhaps on other hosts): ranks other than 0 enter the worker loop
+and the plan is broadcast over a gloo group.
 
 Failures end in bounded time with an error that names the rank: a watchdog thread notices a
-dead worker at once and a plan send that a worker does not take within the timeout; every
+dead worker at once; a plan send waits for the ring at most the timeout, and every
 collective of a step is bounded by `distributed_timeout_s` (a stopped or hung worker).
 A step cut short on rank 0 (an exception, a second Ctrl-C) leaves the ranks out of step:
 the executor then stops its workers and refuses further steps. One multi-process engine
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import close_process_groups, launched_by_torchrun
+from longserve.distributed.shm_broadcast import ShmRingBuffer
 from longserve.kv_transfer.utils import KVOutputAggregator
 from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
@@ -79,8 +81,8 @@ class Executor:
         self.procs: list = []
         self.driver: Worker | None = None
         self.failure: str | None = None
-        self.progress = None  # plans received, per global rank (shared memory)
-        self._closing, self._step, self._waiting = False, 0, None
+        self.plans: ShmRingBuffer | None = None  # the plan to the spawned workers
+        self._closing, self._step = False, 0
         self._threads, self._owns_groups = None, False
         self._torchrun = self.world > 1 and launched_by_torchrun()
         if config.device == "cuda" and not self._torchrun:
@@ -115,13 +117,16 @@ class Executor:
         return range(self.base + 1, self.base + self.config.parallel.replica_size)
 
     def _spawn(self, config: EngineConfig) -> Worker:
-        w = self.started or start_workers(pickle.dumps(config), self.world, self.base,
+        w = self.started or start_workers(pickle.dumps(config), self.base,
                                           config.parallel.replica_size, self.init_method)
-        self.procs, self.progress = w.procs, w.progress
+        self.procs, self.plans = w.procs, w.plans
         self._watchdog = threading.Thread(target=watch, args=(weakref.ref(self),), daemon=True)
         self._watchdog.start()
-        return Worker(config, self.base, w.init_method, 0, alive_check=self._raise_if_failed,
-                      timeline=self.timeline)
+        driver = Worker(config, self.base, w.init_method, 0, alive_check=self._raise_if_failed,
+                        timeline=self.timeline)
+        if self.plans is not None:
+            self.plans.unlink()  # every worker attached before it joined: no name left to leak
+        return driver
 
     def worker_timelines(self) -> dict[int, list]:
         """Each spawned worker's start-up phases (it leaves them in the store once ready)."""
@@ -153,8 +158,7 @@ class Executor:
     # ---- waiting on the other ranks ---------------------------------------------------
     @contextlib.contextmanager
     def _waiting_for(self, what: str):
-        """Mark what rank 0 waits for (the watchdog reads it); explain a failure inside."""
-        self._waiting = (what, time.monotonic())
+        """Explain a failure while rank 0 waits for `what` (naming the rank to blame)."""
         try:
             yield
         except Exception as e:
@@ -162,8 +166,6 @@ class Executor:
             if explained is e:
                 raise
             raise explained from e
-        finally:
-            self._waiting = None
 
     def _explain(self, e: Exception, what: str) -> Exception:
         if self.world == 1:
@@ -181,7 +183,7 @@ class Executor:
     def _unresponsive(self, what: str) -> str:
         """The failure naming the workers to blame: stopped ones, else those behind the plan."""
         stopped = [r for r, p in zip(self.worker_ranks, self.procs) if process_state(p.pid) == "T"]
-        behind = [r for r in self.worker_ranks if self.progress and self.progress[r] < self._step]
+        behind = [self.worker_ranks[r] for r in (self.plans.behind() if self.plans else [])]
         ranks = (", ".join(map(str, stopped)) + " (its process is stopped)" if stopped
                  else ", ".join(map(str, behind or self.worker_ranks)))
         return f"worker rank {ranks} did not respond within {self.timeout:g} s while {what}"
@@ -197,10 +199,15 @@ class Executor:
         with defer_interrupt():  # a Ctrl-C lands after the step, with every rank in step
             self._step += 1
             if self.world > 1:
-                self._in_step(f"taking the plan of step {self._step}",
-                              self.driver.ps.model.broadcast_object, out)
+                self._in_step(f"taking the plan of step {self._step}", self._send_plan, out)
             output = self._in_step(f"running step {self._step}", self.driver.execute, out, False)
             return PendingStep(self, self._step, output)
+
+    def _send_plan(self, plan) -> None:
+        if self.plans is None:  # torchrun (ranks perhaps on other hosts), or no worker
+            self.driver.ps.model.broadcast_object(plan)
+        else:
+            self.plans.enqueue(plan, self.timeout, self._raise_if_failed)
 
     def _in_step(self, what: str, fn, *args):
         """fn(*args) inside a launched step: a failure stops the ranks (they fell out of step)."""
@@ -238,7 +245,7 @@ class Executor:
         goodbye = False
         if self.world > 1 and self.failure is None and self.driver is not None:
             with contextlib.suppress(Exception):
-                self.driver.ps.model.broadcast_object(SHUTDOWN)
+                self._send_plan(SHUTDOWN)
                 goodbye = True
         self._teardown(peers_present=goodbye)
 
@@ -260,6 +267,9 @@ class Executor:
             self.driver.store = None  # rank 0 hosts the rendezvous store: its port is free again
         if peers_present:
             reap(self.procs, min(self.timeout, 10.0))
+        if self.plans is not None:
+            self.plans.close()
+            self.plans = None
         if self._threads is not None:
             torch.set_num_threads(self._threads)
 
@@ -363,8 +373,8 @@ def make_room_for_process_group() -> None:
 
 def watch(ref: weakref.ref) -> None:
     """The watchdog: poll the children (only this thread reaps them while the engine runs).
-    A dead worker, or a plan send that waits longer than the timeout, records the failure
-    and kills the workers so that rank 0's pending collective fails at once."""
+    A dead worker records the failure and kills the workers so that rank 0's pending
+    collective fails at once."""
     while True:
         ex = ref()
         # no children (a DP rank of an expert model is a replica of one rank): nothing to watch,
@@ -375,10 +385,6 @@ def watch(ref: weakref.ref) -> None:
             p.join(timeout=0.1)
             if p.exitcode is not None and not ex._closing:
                 ex.failure = f"worker rank {rank} died (exit code {p.exitcode})"
-        waiting = ex._waiting
-        if (ex.failure is None and waiting and waiting[0].startswith("taking the plan")
-                and time.monotonic() - waiting[1] > ex.timeout):
-            ex.failure = ex._unresponsive(waiting[0])
         if ex.failure:
             for p in ex.procs:
                 if p.exitcode is None:

@@ -12,11 +12,13 @@ import socket
 import time
 from dataclasses import dataclass
 
+from longserve.distributed.shm_broadcast import ShmRingBuffer
+
 
 @dataclass
 class WorkerProcs:
     procs: list  # multiprocessing.Process of global ranks base + 1 .. base + replica - 1
-    progress: object  # plans received, per global rank (shared memory)
+    plans: ShmRingBuffer | None  # the ring the driver writes each step's plan to
     init_method: str  # the rendezvous: this replica's own, or an expert model's DP world's
 
 
@@ -26,23 +28,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_workers(config_bytes: bytes, world: int, base: int, replica: int,
+def start_workers(config_bytes: bytes, base: int, replica: int,
                   init_method: str | None = None) -> WorkerProcs:
-    """Spawn ranks base + 1 .. base + replica - 1 of a `world`-rank job; without an
+    """Spawn global ranks base + 1 .. base + replica - 1; without an
     init_method the replica gets a rendezvous port of its own (rank `base` hosts it)."""
     init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
-    progress = ctx.Array("q", world, lock=False)
+    # (a DP rank of an expert model may be a replica of one rank)
+    plans = ShmRingBuffer(readers=replica - 1) if replica > 1 else None
     procs = []
     for rank in range(base + 1, base + replica):
         p = ctx.Process(target=_worker_entry, daemon=True,
-                        args=(config_bytes, rank, init_method, rank - base, progress, time.time()))
+                        args=(config_bytes, rank, init_method, rank - base, plans.handle, time.time()))
         p.start()
         procs.append(p)
-    return WorkerProcs(procs, progress, init_method)
+    return WorkerProcs(procs, plans, init_method)
 
 
-def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: int, progress,
+def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: int, plans: tuple,
                   spawned_at: float) -> None:
     from longserve.worker.worker import worker_main
-    worker_main(pickle.loads(config_bytes), rank, init_method, local_rank, progress, spawned_at)
+    worker_main(pickle.loads(config_bytes), rank, init_method, local_rank, plans, spawned_at)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from longserve.config import EngineConfig
 from longserve.distributed import symm_all_reduce
 from longserve.distributed.parallel_state import build_parallel_state, close_process_groups
+from longserve.distributed.shm_broadcast import ShmRingBuffer
 from longserve.stalls import freeze_after_warm_up
 from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
@@ -179,23 +180,25 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str,
-                local_rank: int | None = None, progress=None, spawned_at: float | None = None) -> None:
-    """Entry of a spawned worker: follow the driver's steps until it says shutdown.
-    `progress` (shared memory, one slot a rank) counts the plans this rank has received, so
-    the driver can name a rank that stopped answering; its start-up phases go to the store."""
+                local_rank: int | None = None, plans: tuple | None = None,
+                spawned_at: float | None = None) -> None:
+    """Entry of a worker: follow the driver's steps until it says shutdown. `plans`: the
+    handle of the driver's ring (spawned on its host; local_rank - 1 is this rank's reader),
+    else the plans come over gloo (torchrun). Its start-up phases go to the store."""
     timeline = Timeline(spawned_at)
     timeline.mark("process start + imports")
     if os.environ.get("LONGSERVE_TEST_WORKER_EXIT") == str(rank):  # test hook: die before joining
         os._exit(7)
     # Ctrl-C reaches the whole process group: the driver decides (drain, then SHUTDOWN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    exit_with_parent()
+    exit_with_parent()  # also ends a wait for the next plan whose writer is gone
     try:
+        ring = plans and ShmRingBuffer.attach(plans, local_rank - 1)  # before joining: see _spawn
         worker = Worker(config, rank, init_method, local_rank, timeline=timeline)
         worker.init_cache(worker.determine_num_blocks())
         if worker.store is not None:
             worker.store.set(f"startup/{rank}", json.dumps(timeline.phases))
-        run_worker_loop(worker, progress)
+        run_worker_loop(worker, ring)
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()
@@ -207,12 +210,10 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
     close_process_groups(peers_present=True)
 
 
-def run_worker_loop(worker: Worker, progress=None) -> None:
+def run_worker_loop(worker: Worker, plans: ShmRingBuffer | None = None) -> None:
     freeze_after_warm_up()
-    while True:
-        out = worker.ps.model.broadcast_object(None)
-        if progress is not None:
-            progress[worker.rank] += 1
+    while True:  # no timeout on a plan: the engine may idle; the driver watches its workers
+        out = worker.ps.model.broadcast_object(None) if plans is None else plans.dequeue()
         if out == SHUTDOWN:
             return
         # asynchronous scheduling: queue the step and take the next plan (the sampled ids
