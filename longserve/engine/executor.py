@@ -82,6 +82,7 @@ class Executor:
         self.driver: Worker | None = None
         self.failure: str | None = None
         self.plans: ShmRingBuffer | None = None  # the plan to the spawned workers
+        self.port: int | None = None
         self._closing, self._step = False, 0
         self._threads, self._owns_groups = None, False
         self._torchrun = self.world > 1 and launched_by_torchrun()
@@ -120,6 +121,7 @@ class Executor:
         w = self.started or start_workers(pickle.dumps(config), self.base,
                                           config.parallel.replica_size, self.init_method)
         self.procs, self.plans = w.procs, w.plans
+        self.port = int(w.init_method.rsplit(":", 1)[1])  # rank 0's rendezvous store, freed at shutdown
         self._watchdog = threading.Thread(target=watch, args=(weakref.ref(self),), daemon=True)
         self._watchdog.start()
         driver = Worker(config, self.base, w.init_method, 0, alive_check=self._raise_if_failed,
