@@ -1,12 +1,8 @@
 """Triton kernels for the paged KV cache: store, paged attention with LSE, merge.
 
-KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; K = [0], V = [1].
-A slot is `block_id * block_size + offset`, so `k_cache.view(-1, Hkv, D)[slot]` is one token's key.
-
-Every launch decision below (grid, block sizes, number of KV splits) is a function of tensor
-shapes and of the ints the caller passes, never of tensor values, so the kernels can be
-captured in CUDA graphs. Everything also runs under TRITON_INTERPRET=1 on CPU tensors.
-"""
+A layer's cache: [2, num_blocks, block_size, Hkv, D] (K = [0], V = [1]); slot = block_id *
+block_size + offset. Launch choices depend on shapes and int arguments only, never on tensor
+values (CUDA-graph capturable); everything runs under TRITON_INTERPRET=1 on CPU tensors."""
 from __future__ import annotations
 
 import functools
@@ -421,14 +417,11 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of each request's query rows over its first kv_lens[r] cached tokens.
 
-    q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks] int32;
-    query_start_loc [R + 1] int32; kv_lens [R] int32. Returns out [T, Hq, D] (q's dtype) and
-    lse [T, Hq] float32 (natural log). Rows outside query_start_loc[0]:query_start_loc[R]
-    are left unwritten. max_query_len (>= the longest request's row count) only picks the
-    tiling; num_kv_splits=None picks the split count from shapes. kv_scale [2, Hkv] float32:
-    an FP8 cache's per-head K and V scales (dequantized in the kernel). out [T, Hq, D] / lse
-    [T, Hq]: where to write (any dtype / strides, last dim contiguous). Graph-capturable.
-    """
+    q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks], query_start_loc
+    [R + 1], kv_lens [R] int32; kv_scale [2, Hkv] float32 (FP8 cache) or None. Returns out [T, Hq,
+    D] (q's dtype, or the given `out`) and lse [T, Hq] float32, natural log (or the given `lse`; any
+    strides, last dim contiguous); rows outside query_start_loc[0]:query_start_loc[R] unwritten.
+    max_query_len (>= the longest request's rows) and num_kv_splits only pick the tiling."""
     T, Hq, D = q.shape
     _, B, Hkv, Dk = k_cache.shape
     R = kv_lens.shape[0]

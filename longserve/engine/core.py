@@ -1,11 +1,6 @@
-"""EngineCore: the step loop's state inside the engine-core process (one per DP rank).
-
-It owns the scheduler, the KV cache manager and the executor (the model's ranks). Requests
-arrive validated and tokenized (the front end is the door); `step()` plans a step, launches
-it and applies the previous one (asynchronous scheduling), and returns what each request
-gained as `EngineCoreOutput`s. Text, stop strings and streams are the front end's business:
-it aborts a request whose stop string appeared. Nothing here knows of sockets or HTTP
-(core_proc.py moves these objects between processes)."""
+"""EngineCore: one DP rank's scheduler, KV cache manager and executor. `step()` plans, launches
+and applies the previous step (asynchronous scheduling) and returns each request's
+`EngineCoreOutput`s; requests arrive validated and tokenized, and text is the front end's."""
 from __future__ import annotations
 
 import time

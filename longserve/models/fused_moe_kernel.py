@@ -1,18 +1,7 @@
-"""A fused mixture-of-experts kernel: both expert GEMMs over the step's (token, expert) pairs.
-
-The router's softmax, top-k and renormalisation are one kernel (`route_triton`). The pairs
-are sorted by expert and each expert's run is padded to a multiple of BLOCK_M (`align_pairs`:
-a program per chunk of pairs counts them, then each takes its places by atomics), so every
-block of BLOCK_M sorted slots holds the pairs of one expert, or none (blocks past the used
-ones exit at once). One kernel, launched twice:
-  1. gate-up: x's rows gathered by token -> silu(x W_gate^T) * (x W_up^T) -> h [slots, width]
-  2. down:    h in slot order -> (h W_down^T) * routing weight -> out [pairs, hidden], pair order
-then one kernel adds each token's pairs (`combine_pairs`). A block reads its expert's weights
-once: at decode (a few pairs an expert) the step reads each hit expert once, its bytes floor.
-Every shape depends only on the pair count (the grid covers the worst case), so every launch
-is captured in CUDA graphs.
-Imported only when it runs (CUDA tensors, or the CPU under TRITON_INTERPRET=1).
-"""
+"""A fused mixture-of-experts kernel: routing (`route_triton`), the pairs sorted by expert and
+padded to BLOCK_M (`align_pairs`), one kernel launched for gate-up (SiLU-and-mul) and for down
+(times the routing weight), and `combine_pairs`. Shapes follow the pair count only (graph
+capturable). docs/architecture.md, 'Experts on the GPU'. Imported only when it runs."""
 from __future__ import annotations
 
 import os
