@@ -379,12 +379,10 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 
 
 def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
-    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]. A program per
-    (row, head, 32 of head_dim) loading [64 splits, 32] a step: batch 1 with 32 heads over 256
-    splits was 32 programs walking 16 dependent steps each (a latency-bound tail of decode).
-    One compiled variant up to 256 splits (the split count is a runtime int). cp_ranks: the
-    partials of the 2-16 CP ranks (one count an engine: one variant), a whole head a program
-    with no masked chunk (a pcp=2 prefix merge of 4,096 rows took 1.95 ms the other way, H200)."""
+    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]: a program per (row,
+    head, 32 of head_dim), [64 splits, 32] a step, one variant up to 256 splits; cp_ranks (2-16
+    CP ranks' partials): a whole head a program (measurements: the commit log, docs/benchmarks.md).
+    """
     num_kv_splits, T, Hq, D = o_buf.shape
     few = triton.next_power_of_2(max(num_kv_splits, 2))
     block_s, chunk_s = (few, few) if cp_ranks else (max(256, triton.next_power_of_2(num_kv_splits)), 64)
@@ -469,13 +467,9 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                kv_scale: torch.Tensor | None, dtype: torch.dtype,
                                max_tokens: int, max_seqs: int) -> int:
-    """Run the paged kernel once per tile variant a step can pick: each query-length bucket
-    (1, 2, 4, ... 128 rows a request), with few and with many programs, each with one KV split
-    and with several (decode at long context; and the prefix part of a small chunk over a long
-    cached prefix, whose split partials are float32: another variant, compiled mid-run in dp=2
-    bursts on H200 for 0.8-1.3 s). Triton compiles a variant on first use; here they compile
-    before serving, with the two merges of prefill. Reads block 0 of the cache (one token a
-    request); returns the variants run."""
+    """Run the paged kernel once per tile variant a step can pick (query-length buckets 1..128, few
+    and many programs, one KV split and several, float32 partials), and the two merges of prefill,
+    so none compiles while serving. Reads block 0 of the cache; returns the variants run."""
     _, B, Hkv, D = k_cache.shape
     dev, seen, calls = k_cache.device, set(), []
     ints = dict(dtype=torch.int32, device=dev)

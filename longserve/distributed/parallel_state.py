@@ -161,11 +161,9 @@ class GroupCoordinator:
         return x
 
     def broadcast_object(self, obj=None):
-        """Send a picklable object from the first rank of the group to the others (the step plan
-        under torchrun; spawned ranks take it from distributed/shm_broadcast.py): one broadcast
-        of a fixed buffer, its length then its pickle, when it fits (a 512-request decode plan
-        is 9-26 KB, by the length of its request ids); a larger one follows in a second one. torch's broadcast_object_list takes two collectives and
-        more copies."""
+        """Send a picklable object from the group's first rank to the others (the plan under torchrun):
+        one broadcast of a fixed buffer (length, then pickle) when it fits, else a second one for the
+        rest (torch's broadcast_object_list takes two collectives and more copies)."""
         if self.world_size == 1:
             return obj
         if self._object_buf is None:

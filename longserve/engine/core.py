@@ -48,11 +48,9 @@ class EngineCore:
         self.load_s = time.perf_counter() - t0
 
     def _warm_up(self) -> None:
-        """Run the step shapes of a light load once: a lone prompt, a prompt beside a decode,
-        a prefix hit, and the sampler's paths (greedy alone, beside a sampled request with
-        top-k, top-p, a seed and logprobs). Triton compiles a kernel per specialization (a
-        count of 1, a multiple of 16) on its first use, ~0.5 s that would otherwise land in a
-        request's TTFT."""
+        """Run the step shapes of a light load once (a lone prompt, a prompt beside a decode, a prefix
+        hit, the sampler's paths), so Triton's per-specialization compiles (~0.5 s) miss every TTFT.
+        """
         from longserve.sampling_params import SamplingParams
         n = max(16, min(1024, self.config.scheduler.max_model_len // 2) // 16 * 16)
         params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),

@@ -82,13 +82,9 @@ class Scheduler:
             out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
 
     def _fork(self, parent: Request) -> None:
-        """The parent's prompt is planned to its end: its other choices join the running list
-        (from the next step on) with a reference to each of its full prompt blocks, no copy.
-        The prompt's last block (partial, or holding the last prompt token) stays the parent's:
-        each child takes a block of its own and computes those 1..tokens_per_block tail tokens
-        itself. That is cheaper and simpler than copying the block on every CP rank, and the
-        child samples its first token from its own logits (its own seed). A child's step reads
-        the shared blocks after the parent's step wrote them (the plans run in order)."""
+        """The parent's prompt is planned to its end: its other choices join the running list sharing
+        its full prompt blocks (docs/architecture.md, 'Several choices'); each recomputes the prompt's
+        last block in a block of its own."""
         shared = parent.block_ids[:(parent.num_prompt_tokens - 1) // self.kv.tokens_per_block]
         for child in [c for c in parent.children if not c.is_finished]:  # (aborted while parked)
             child.block_ids = self.kv.share(shared)

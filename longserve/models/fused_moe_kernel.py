@@ -61,11 +61,8 @@ def _place_kernel(ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, first, n
 def align_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int):
     """ids [...] global expert ids (this rank holds [first, first + num_local)) -> slot_pair [S]
     (the pair in each sorted slot, num_pairs for padding) and block_expert [S / block_m] (-1:
-    unused). S covers the worst case, P + num_local * (block_m - 1): it depends on P alone.
-    A count launch and a place launch of a program per PLACE_CHUNK pairs: 8-10 us from 8 to
-    4,096 pairs on an H100, where one program aligning them all took 9 us at 8 pairs, 24 at
-    256 and 79 at 1,024 (docs/benchmarks.md); the order within a run is free (each slot's
-    rows are computed alone)."""
+    unused); S = P + num_local * (block_m - 1), the worst case. A count launch and a place launch,
+    a program per PLACE_CHUNK pairs (docs/architecture.md, 'Experts on the GPU')."""
     ids = ids.reshape(-1).contiguous()
     num_pairs, e_bins = ids.numel(), triton.next_power_of_2(num_local)
     num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m

@@ -1,10 +1,5 @@
-"""Agreeing on a step's shape across data-parallel (DP) ranks.
-
-Every DP rank runs its own batch, but some choices must match on all ranks: whether to
-split the batch into two micro-batches, how many tokens to pad to, and the CUDA-graph mode
-(0 NONE, 1 PIECEWISE, 2 FULL). One all-reduce of a small int tensor over the DP group's
-CPU (gloo) group settles all three; with one DP rank nothing is exchanged.
-"""
+"""Agreeing on a step's shape across DP ranks: micro-batching, the padded token count and the
+CUDA-graph mode (0 NONE, 1 PIECEWISE, 2 FULL), in one all-reduce over the DP group's gloo group."""
 from __future__ import annotations
 
 import numpy as np
