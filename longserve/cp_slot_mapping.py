@@ -1,21 +1,10 @@
-"""Where a position's KV lives when the cache is sharded over context-parallel ranks.
+"""Where a position's KV lives when the cache is sharded over W = pcp * dcp CP ranks.
 
-With context parallelism the KV cache of a request is sharded over W = pcp * dcp CP
-ranks. One block-table entry is a "virtual block" of V = B * W consecutive positions, of
-which each rank stores B (B = the per-rank block size). Within a virtual block, runs of
-I = cp_kv_cache_interleave_size positions go to the ranks round-robin:
-
-    off = p % V                      owner = (off // I) % W
-    local offset = (off // (W * I)) * I + off % I      (in [0, B), a bijection per owner)
-    slot = block_table[req, p // V] * B + local offset  on the owner, -1 on the others
-
-A rank's stored tokens are thus in position order, so its t-th stored token of a request
-sits at block_table[req, t // B] * B + t % B: kernels read a shard like an ordinary
-sequence of length get_dcp_local_seq_lens(...).
-
-The rule alone, on numpy or torch: the workers (worker/block_table.py, step_inputs.py) and
-KV transfer (kv_transfer/transfer.py) both place tokens by it.
-"""
+A block-table entry covers V = B * W positions; runs of I = interleave positions go to the ranks
+round-robin: off = p % V, owner = (off // I) % W, local offset = (off // (W * I)) * I + off % I,
+slot = block_table[req, p // V] * B + local offset on the owner, -1 elsewhere. A rank's tokens
+are in position order, so kernels read its shard as a sequence of get_dcp_local_seq_lens(...)
+tokens (docs/architecture.md, 'Rank layout')."""
 from __future__ import annotations
 
 import numpy as np

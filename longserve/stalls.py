@@ -1,12 +1,6 @@
-"""First-minute stalls: start-up's objects out of the collector's way, and what stalls named.
-
-`freeze_after_warm_up()` (API servers, engine cores, workers, once warm): a collection, then
-gc.freeze() moves every object alive (modules, the model, the tokenizer: millions of them) to
-a generation that no later collection traverses, so a full collection while serving walks
-only what serving made. From then on a collection over 50 ms is logged with its generation,
-a Triton kernel compiled (or loaded from the disk cache) is logged with its specialization and
-time, and in an API server `watch_loop_lag` logs an event loop that ran over 100 ms late.
-"""
+"""First-minute stalls: `freeze_after_warm_up()` gc-freezes start-up's objects once warm; then a
+collection over 50 ms, a Triton kernel compiled and (API server) an event loop over 100 ms late
+are logged (docs/architecture.md, 'Warm and frozen')."""
 from __future__ import annotations
 
 import asyncio

@@ -1,10 +1,6 @@
-"""The start-up timeline: where an engine's seconds to ready went, per process and phase.
-
-A process's `Timeline` starts when its parent started it (or when the front end began) and
-`mark(name)` ends the phase begun at the previous mark, so a process's phases add up to its
-time by construction. Workers leave theirs in the rendezvous store, the engine core sends
-its own and theirs in `info()`, and the front end prints one line (`describe`): its own
-part, the core's driver rank's phases (the critical path), then each other rank's."""
+"""The start-up timeline: per process, `mark(name)` ends the phase begun at the previous mark (so
+phases add up to the process's time); workers' timelines go through the rendezvous store, the
+core's `info()` carries them, and the front end prints one line (`describe`)."""
 from __future__ import annotations
 
 import os

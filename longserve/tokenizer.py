@@ -1,10 +1,6 @@
-"""The model's tokenizer and chat template: from a HF folder (tokenizer.json,
-tokenizer_config.json), a GGUF file's metadata, or a `tokenizer=` folder that overrides both.
-
-`render_chat` turns a conversation into the prompt text the model was trained on, with the
-template's Jinja2 (as HF's `apply_chat_template`: `messages`, `add_generation_prompt`,
-`bos_token`, `eos_token`).
-"""
+"""The model's tokenizer and chat template: from a HF folder, a GGUF file's metadata, or a
+`tokenizer=` folder that overrides both; `render_chat` renders a conversation with the template's
+Jinja2 as HF's `apply_chat_template` does."""
 from __future__ import annotations
 
 import json

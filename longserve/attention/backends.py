@@ -1,28 +1,7 @@
-"""Attention over the paged, CP-sharded KV cache.
-
-One algorithm, two sets of primitives:
-- `TorchAttentionBackend`: plain torch, runs anywhere; the reference.
-- `TritonAttentionBackend`: CUDA; Triton store-KV and paged attention (with LSE),
-  cuDNN/flash SDPA for the step's new tokens.
-
-Per layer and step (see attention/metadata.py for the row layout):
-1. K/V of the step's tokens (gathered over PCP and restored to request order) are
-   written to the slots this rank owns.
-2. Decode rows attend over this rank's shard (their new token included); with CP the
-   partial results of every shard are merged by log-sum-exp.
-3. Prefill rows attend causally to the step's new K/V (the suffix) and to the cached
-   context before the chunk (the prefix, sharded like a decode); the two merge by LSE.
-
-On CUDA in half precision (float32 and the CPU: the torch reference math) the kernel is a
-lookup of the step's shapes against the thresholds below, nothing tried per call:
-- decode rows, and the prefix of requests with < DENSE_PREFIX_MIN_ROWS rows: Triton paged;
-- longer prefixes: K/V gathered, then one flash varlen call if no request has more than
-  FLASH_MAX_WORK rows x keys, else SDPA a request;
-- new tokens: one flash varlen call without PCP (unless one chunk of > FLASH_MAX_WORK ** 0.5
-  rows: SDPA), else SDPA a segment.
-SDPA with the LSE runs the first of cuDNN, flash, memory-efficient that runs here, probed
-once per dtype and head size when the backend is built (`sdpa_choice`).
-"""
+"""Attention over the paged, CP-sharded KV cache: one algorithm, with torch primitives
+(`TorchAttentionBackend`, the reference, runs anywhere) and CUDA ones (`TritonAttentionBackend`:
+Triton paged kernels, cuDNN/flash SDPA), the kernel picked by the step's shapes against the
+thresholds below (docs/architecture.md, 'Attention, concretely')."""
 from __future__ import annotations
 
 import functools

@@ -1,17 +1,7 @@
-"""Merging partial attentions by their log-sum-exp (LSE).
-
-A shard of keys gives, per query and head, out_i = softmax-weighted values over the shard
-and lse_i = log(sum of exp(scores) over the shard). Attention over the union of shards is
-
-    lse = logsumexp_i(lse_i)        out = sum_i exp(lse_i - lse) * out_i
-
-An empty shard has lse_i = -inf (kernels may report NaN or +inf there: both count as
--inf) and weight 0; a query with no keys anywhere gets out = 0 and lse = -inf, never NaN.
-
-Shapes: out [T, H, D] (any float dtype), lse [T, H] float32; math in float32.
-With CP every rank packs its partials of a layer into one tensor and one all-to-all hands
-each rank every shard's partials for the rows and heads it keeps; it merges them locally.
-"""
+"""Merging partial attentions by their log-sum-exp: lse = logsumexp_i(lse_i), out = sum_i
+exp(lse_i - lse) * out_i. An empty shard (lse -inf, or NaN / +inf from a kernel) weighs 0; a
+query with no keys gets out = 0, lse = -inf. out [T, H, D] any float dtype, lse [T, H] float32,
+math in float32. The CP exchange: docs/architecture.md, 'One decode step with CP'."""
 from __future__ import annotations
 
 import torch
@@ -37,17 +27,12 @@ def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int = 1) -> torch.Tensor:
-    """The CP merge's one collective: every rank's partial (out, lse) of the rows and heads
-    this rank keeps, over the CP group (rank p * dcp + r).
+    """The CP merge's one collective, over the CP group (rank p * dcp + r).
 
-    packed [N, Hg, D + 1] (`pack_partial`) of this rank's KV shard for the same queries on every
-    rank: Hg = the DCP group's heads (rank r keeps the r-th 1/dcp), N = the rows (row_split =
-    pcp: rows were PCP-gathered, PCP rank p keeps the p-th 1/pcp; 1: every rank keeps all).
-    Returns [W, N / row_split, Hg / dcp, D + 1] float32 (maybe a strided view), source rank
-    first, its LSE in the last column (`merge_partials`). One all-to-all; an all-gather when
-    every rank keeps everything (PCP decode: no copy of W identical pieces). Replaces an LSE
-    all-gather plus an all-reduce over PCP and a reduce-scatter over DCP.
-    """
+    packed [N, Hg, D + 1] (`pack_partial`): this rank's partials for the same N rows as every rank;
+    DCP rank r keeps the r-th 1/dcp of the Hg heads, PCP rank p the p-th 1/row_split of the rows.
+    Returns [W, N / row_split, Hg / dcp, D + 1] float32 (maybe a strided view), source rank first.
+    An all-gather when every rank keeps everything."""
     (N, Hg, E), W = packed.shape, cp_group.world_size
     if N % row_split or Hg % dcp:
         raise ValueError(f"{N} rows / {Hg} heads must divide by {row_split} / dcp={dcp}")

@@ -1,11 +1,6 @@
-"""The FP8 KV cache in torch: quantize on store, dequantize on read.
-
-A cache of dtype float8_e4m3fn holds k / s and v / s, where s is the layer's scale of that
-KV head (`Attention.kv_scale` [2, Hkv] float32: K row, V row; models/kv_scales.py). Values
-beyond e4m3's largest finite number saturate instead of becoming NaN. The Triton kernels
-(triton_kernels.py) do the same inside store-KV and paged attention; these are the
-reference and the CPU path. With kv_scale None the cache holds the model's dtype as is.
-"""
+"""The FP8 KV cache in torch (reference and CPU path): a float8_e4m3fn cache holds k / s and v / s,
+s = `Attention.kv_scale` [2, Hkv] float32 (models/kv_scales.py); values past e4m3's range
+saturate, not NaN. With kv_scale None the cache holds the model's dtype as is."""
 from __future__ import annotations
 
 import torch

@@ -1,12 +1,8 @@
 """Triton kernels for the paged KV cache: store, paged attention with LSE, merge.
 
-KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; K = [0], V = [1].
-A slot is `block_id * block_size + offset`, so `k_cache.view(-1, Hkv, D)[slot]` is one token's key.
-
-Every launch decision below (grid, block sizes, number of KV splits) is a function of tensor
-shapes and of the ints the caller passes, never of tensor values, so the kernels can be
-captured in CUDA graphs. Everything also runs under TRITON_INTERPRET=1 on CPU tensors.
-"""
+A layer's cache: [2, num_blocks, block_size, Hkv, D] (K = [0], V = [1]); slot = block_id *
+block_size + offset. Launch choices depend on shapes and int arguments only, never on tensor
+values (CUDA-graph capturable); everything runs under TRITON_INTERPRET=1 on CPU tensors."""
 from __future__ import annotations
 
 import functools
@@ -383,12 +379,10 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 
 
 def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
-    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]. A program per
-    (row, head, 32 of head_dim) loading [64 splits, 32] a step: batch 1 with 32 heads over 256
-    splits was 32 programs walking 16 dependent steps each (a latency-bound tail of decode).
-    One compiled variant up to 256 splits (the split count is a runtime int). cp_ranks: the
-    partials of the 2-16 CP ranks (one count an engine: one variant), a whole head a program
-    with no masked chunk (a pcp=2 prefix merge of 4,096 rows took 1.95 ms the other way, H200)."""
+    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]: a program per (row,
+    head, 32 of head_dim), [64 splits, 32] a step, one variant up to 256 splits; cp_ranks (2-16
+    CP ranks' partials): a whole head a program (measurements: the commit log, docs/benchmarks.md).
+    """
     num_kv_splits, T, Hq, D = o_buf.shape
     few = triton.next_power_of_2(max(num_kv_splits, 2))
     block_s, chunk_s = (few, few) if cp_ranks else (max(256, triton.next_power_of_2(num_kv_splits)), 64)
@@ -421,14 +415,11 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of each request's query rows over its first kv_lens[r] cached tokens.
 
-    q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks] int32;
-    query_start_loc [R + 1] int32; kv_lens [R] int32. Returns out [T, Hq, D] (q's dtype) and
-    lse [T, Hq] float32 (natural log). Rows outside query_start_loc[0]:query_start_loc[R]
-    are left unwritten. max_query_len (>= the longest request's row count) only picks the
-    tiling; num_kv_splits=None picks the split count from shapes. kv_scale [2, Hkv] float32:
-    an FP8 cache's per-head K and V scales (dequantized in the kernel). out [T, Hq, D] / lse
-    [T, Hq]: where to write (any dtype / strides, last dim contiguous). Graph-capturable.
-    """
+    q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks], query_start_loc
+    [R + 1], kv_lens [R] int32; kv_scale [2, Hkv] float32 (FP8 cache) or None. Returns out [T, Hq,
+    D] (q's dtype, or the given `out`) and lse [T, Hq] float32, natural log (or the given `lse`; any
+    strides, last dim contiguous); rows outside query_start_loc[0]:query_start_loc[R] unwritten.
+    max_query_len (>= the longest request's rows) and num_kv_splits only pick the tiling."""
     T, Hq, D = q.shape
     _, B, Hkv, Dk = k_cache.shape
     R = kv_lens.shape[0]
@@ -476,13 +467,9 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                kv_scale: torch.Tensor | None, dtype: torch.dtype,
                                max_tokens: int, max_seqs: int) -> int:
-    """Run the paged kernel once per tile variant a step can pick: each query-length bucket
-    (1, 2, 4, ... 128 rows a request), with few and with many programs, each with one KV split
-    and with several (decode at long context; and the prefix part of a small chunk over a long
-    cached prefix, whose split partials are float32: another variant, compiled mid-run in dp=2
-    bursts on H200 for 0.8-1.3 s). Triton compiles a variant on first use; here they compile
-    before serving, with the two merges of prefill. Reads block 0 of the cache (one token a
-    request); returns the variants run."""
+    """Run the paged kernel once per tile variant a step can pick (query-length buckets 1..128, few
+    and many programs, one KV split and several, float32 partials), and the two merges of prefill,
+    so none compiles while serving. Reads block 0 of the cache; returns the variants run."""
     _, B, Hkv, D = k_cache.shape
     dev, seen, calls = k_cache.device, set(), []
     ints = dict(dtype=torch.int32, device=dev)

@@ -1,12 +1,6 @@
-"""Rank layout and process groups.
-
-world = DP x PCP x TP with TP innermost: rank = ((dp * PCP) + pcp) * TP + tp.
-DCP adds no ranks: it splits each TP group into runs of `dcp` consecutive ranks
-(dcp_rank = tp_rank % dcp). The KV cache of a request is sharded over the
-pcp x dcp context-parallel (CP) ranks, cp_rank = pcp_rank * dcp + dcp_rank.
-
-Every group is a `GroupCoordinator`; at size 1 its collectives return the input
-untouched and never touch torch.distributed, so one rank needs no process group."""
+"""Rank layout and process groups: rank = ((dp * PCP) + pcp) * TP + tp, dcp_rank = tp_rank % dcp,
+cp_rank = pcp_rank * dcp + dcp_rank (docs/architecture.md, 'Rank layout'). A group of size 1
+returns its input untouched, so one rank needs no torch.distributed."""
 from __future__ import annotations
 
 import datetime
@@ -167,11 +161,9 @@ class GroupCoordinator:
         return x
 
     def broadcast_object(self, obj=None):
-        """Send a picklable object from the first rank of the group to the others (the step plan
-        under torchrun; spawned ranks take it from distributed/shm_broadcast.py): one broadcast
-        of a fixed buffer, its length then its pickle, when it fits (a 512-request decode plan
-        is 9-26 KB, by the length of its request ids); a larger one follows in a second one. torch's broadcast_object_list takes two collectives and
-        more copies."""
+        """Send a picklable object from the group's first rank to the others (the plan under torchrun):
+        one broadcast of a fixed buffer (length, then pickle) when it fits, else a second one for the
+        rest (torch's broadcast_object_list takes two collectives and more copies)."""
         if self.world_size == 1:
             return obj
         if self._object_buf is None:
@@ -246,14 +238,10 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
 
 
 def close_process_groups(peers_present: bool) -> None:
-    """Free every process group of this process (the default one and its sub-groups).
+    """Free every process group of this process, bounded (a hung close is logged and left).
 
-    Tearing down an NCCL communicator is collective in NCCL versions in use (it waits for
-    its peers), so with every rank still here each rank calls this right after the goodbye
-    (the driver's SHUTDOWN): they close together. Where a peer has already gone (a crash, a
-    killed worker) a destroy would wait for it forever: abort instead, which is local. gloo
-    closes its sockets either way. Bounded: a close that hangs is logged and left behind
-    (the process is about to end)."""
+    NCCL's destroy is collective, so all ranks call this together after the goodbye (SHUTDOWN);
+    with a peer already gone it aborts instead (local)."""
     if not dist.is_initialized():
         return
     nccl = dist.get_backend() == "nccl"

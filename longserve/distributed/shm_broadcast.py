@@ -1,20 +1,9 @@
-"""The step plan from rank 0 to the other ranks of its replica on this host, through shared
-memory: one writer, a ring of fixed-size slots that `readers` readers poll (the idea of vLLM's
-MessageQueue; ranks on other hosts keep the gloo broadcast). See docs/architecture.md.
-
-The segment, in 8-byte words and then the slots:
-  reads[r]          messages reader r has taken; the writer reuses a slot once every reader has
-                    taken the slot's previous message (and the executor names a reader behind)
-  seq[s], size[s]   slot s holds message seq[s] - 1 (0: none yet), size[s] bytes of it; MORE set:
-                    the pickle goes on in the next message (an object larger than a slot)
-  slot s            slot_bytes of payload
-
-Memory order: the writer stores the payload, then seq; a reader loads seq, then the payload,
-then stores reads[r]; each word is one aligned 8-byte store (numpy). x86-64 (TSO) orders
-stores after stores and loads before later loads and stores, so that is enough there; on
-weaker-ordered CPUs fence() (a lock round trip, the nearest thing to a barrier Python has)
-sits between the steps. Every wait is bounded by a timeout and an `alive`
-check (which raises) and fails with a TimeoutError naming what it waited for."""
+"""The step plan from rank 0 to its replica's other ranks on this host: one writer, a ring of
+fixed-size slots in shared memory that `readers` readers poll (docs/architecture.md, 'The plan
+ring'). Segment, in 8-byte words, then the slots: reads[r] (messages reader r took), seq[s] /
+size[s] (slot s holds message seq[s] - 1, size[s] bytes; MORE: the pickle goes on in the next
+slot). Writer: payload, then seq; reader: seq, payload, then reads[r] (fence() between the steps
+off x86-64). Every wait is bounded and raises a TimeoutError naming what it waited for."""
 from __future__ import annotations
 
 import os

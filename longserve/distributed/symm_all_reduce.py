@@ -1,13 +1,7 @@
-"""Low-latency all-reduce over NVLink, through torch symmetric memory.
-
-Over a symmetric buffer (memory every rank of the group can load and store) a one-shot
-all-reduce is one kernel (each rank loads every peer's buffer and sums), a two-shot one a
-reduce-scatter then an all-gather by peer loads. Only peer loads and stores: NVLink multicast
-stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Measured inside CUDA graphs on 2 x H100
-(benchmarks/bench_allreduce.py, docs/benchmarks.md), NCCL is already ~9.6 us at 8 KB there, so
-one-shot wins by ~0.5 us up to 64 KB and two-shot by 6-9 us at 2-8 MB (prefill chunks); (2 x
-H200: NCCL 19 us at 8 KB against 6 us). An all-gather as a zero-padded all-reduce lost to NCCL's
-at every size on the H100s: gathers stay on NCCL."""
+"""Low-latency all-reduce over NVLink through torch symmetric memory: one-shot (each rank sums
+every peer's buffer) or two-shot (reduce-scatter, all-gather by peer loads); multicast off.
+Which size takes which: `ALGORITHMS`, measured (docs/architecture.md, 'Small collectives over
+NVLink')."""
 from __future__ import annotations
 
 import contextlib

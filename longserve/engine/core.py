@@ -1,11 +1,6 @@
-"""EngineCore: the step loop's state inside the engine-core process (one per DP rank).
-
-It owns the scheduler, the KV cache manager and the executor (the model's ranks). Requests
-arrive validated and tokenized (the front end is the door); `step()` plans a step, launches
-it and applies the previous one (asynchronous scheduling), and returns what each request
-gained as `EngineCoreOutput`s. Text, stop strings and streams are the front end's business:
-it aborts a request whose stop string appeared. Nothing here knows of sockets or HTTP
-(core_proc.py moves these objects between processes)."""
+"""EngineCore: one DP rank's scheduler, KV cache manager and executor. `step()` plans, launches
+and applies the previous step (asynchronous scheduling) and returns each request's
+`EngineCoreOutput`s; requests arrive validated and tokenized, and text is the front end's."""
 from __future__ import annotations
 
 import time
@@ -53,11 +48,9 @@ class EngineCore:
         self.load_s = time.perf_counter() - t0
 
     def _warm_up(self) -> None:
-        """Run the step shapes of a light load once: a lone prompt, a prompt beside a decode,
-        a prefix hit, and the sampler's paths (greedy alone, beside a sampled request with
-        top-k, top-p, a seed and logprobs). Triton compiles a kernel per specialization (a
-        count of 1, a multiple of 16) on its first use, ~0.5 s that would otherwise land in a
-        request's TTFT."""
+        """Run the step shapes of a light load once (a lone prompt, a prompt beside a decode, a prefix
+        hit, the sampler's paths), so Triton's per-specialization compiles (~0.5 s) miss every TTFT.
+        """
         from longserve.sampling_params import SamplingParams
         n = max(16, min(1024, self.config.scheduler.max_model_len // 2) // 16 * 16)
         params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),

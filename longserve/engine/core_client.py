@@ -1,16 +1,7 @@
-"""The front end's handle on its engine cores.
-
-`MPClient`: one engine-core process per DP rank (engine/core_proc.py) over ZeroMQ. The front
-end binds a ROUTER (commands to core d go to the DEALER named d) and a PULL (every core's
-outputs); a thread reads the PULL and hands each message to `on_outputs`, and watches the
-cores: a local core whose process ended, or any core silent for HEARTBEAT_TIMEOUT_S, is dead
-(`on_dead`). Cores of this host are spawned here; a headless host starts its own and they
-connect to `--data-parallel-address:--data-parallel-rpc-port`. With several API servers
-(`FrontEnd`), another process started the cores: each front end binds its own ROUTER and PULL,
-every core connects to all of them, and a front end watches the cores' pids (`PidWatch`).
-
-`InprocClient` (LONGSERVE_ENABLE_MULTIPROCESSING=0, torchrun, debugging): one EngineCore on a
-thread of this process, the same loop and messages without sockets."""
+"""The front end's handle on its engine cores: `MPClient` (core processes over ZeroMQ: a ROUTER for
+commands, a PULL for outputs, a reader thread that also detects dead cores; with several API
+servers, `FrontEnd` attaches to cores another process started) and `InprocClient` (one
+EngineCore on a thread). docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import atexit

@@ -1,24 +1,9 @@
-"""The engine-core process: one per DP rank, running the step loop with nothing else on its GIL.
+"""The engine-core process: one per DP rank, the step loop with nothing else on its GIL.
 
-    front end k (LLM / API server k)                  engine-core process (this file)
-    ROUTER  --add / abort / utility / wave-->  DEALER k -> input thread -> queue -+
-                                                                                   v
-    PULL   <--EngineCoreOutputs (one per step)-- PUSH k <- output thread <- EngineCoreProc.run
-                                                                            (schedule, launch,
-                                                                             apply: EngineCore)
-
-Threads keep the sockets off the loop: the input thread decodes commands into a queue, the
-output thread encodes and sends (and sends the load as a heartbeat every second while the
-loop is quiet or busy with a long step). The loop applies commands between steps and blocks
-on the queue when idle. Several front ends (API-server processes) share the core: it has a
-DEALER and a PUSH towards each; a request's outputs go back to the front end that sent it
-(`Owners`), everything else (the load, waves, utility answers) to all of them.
-
-Expert models with DP > 1 step in lockstep (vLLM's waves): while any core has work every
-core runs a forward each iteration (a dummy one when it has nothing planned), and after each
-iteration the cores all-reduce whether any still has work; when none has, all stop together
-and wait for the next wave. A core that gets a request while idle starts the wave at once and
-says so; the front end then tells the others (`WAVE`)."""
+An input thread decodes commands into a queue, an output thread encodes and sends (with the
+load as a heartbeat); the loop applies commands between steps. A request's outputs go to the
+front end that sent it (`Owners`). Expert models with DP > 1 step in lockstep waves.
+Diagram and rules: docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import logging

@@ -1,11 +1,6 @@
-"""Incremental detokenization and stop strings.
-
-Decoding a few tokens at a time: the text of tokens[read_offset:] is the decode of
-tokens[prefix_offset:] minus the decode of tokens[prefix_offset:read_offset] (a little left
-context keeps word-boundary spaces right). While the tail ends in an incomplete UTF-8
-sequence (U+FFFD) no text is emitted yet. Each step therefore decodes a handful of tokens,
-and a stop string is searched only in the new text plus the longest stop string's length
-of overlap, not in the whole output."""
+"""Incremental detokenization and stop strings: the new text is decode(tokens[prefix_offset:])
+minus decode(tokens[prefix_offset:read_offset]); nothing is emitted while the tail is an
+incomplete UTF-8 sequence; stop strings are searched in the new text plus an overlap only."""
 from __future__ import annotations
 
 

@@ -1,20 +1,6 @@
-"""Data parallelism in the front end: which engine core takes a request, and the waves.
-
-A request goes to the live core with the fewest requests, unless it pins a rank: running and
-waiting as the core last reported (`SchedulerStats`, with every step), plus this front end's
-requests that the core had not taken by then (each report counts the requests the core took
-from each front end), counted once for each API server: what the others sent since is not
-known here, and taking it as ours keeps them from all filling the same stale gap (vLLM counts
-a send `client_count` times). Ties go to the first core counting from this front end's index,
-since every API server sees the same reports. vLLM weighs waiting requests 4x; in a burst
-that sends more to a core that admits prefills sooner (its requests already run), and the
-batches, so the steps, end up uneven (138 / 118 of 256 at dp=2), though a request waiting for
-its first prefill chunk costs no more than one in it.
-
-Dense models' cores step on their own. Expert models' cores step in lockstep waves
-(engine/core_proc.py): when a request goes out while the cores are idle, every core is told
-to start the wave; a core that started a wave by itself (its view was newer than ours) says
-so and the others are told the same."""
+"""Data parallelism in the front end: which engine core takes a request (fewest waiting + running
+as last reported, plus this front end's on their way once per API server), and expert models'
+waves (docs/architecture.md, 'Data parallelism, experts, ...')."""
 from __future__ import annotations
 
 from longserve.engine.messages import SchedulerStats

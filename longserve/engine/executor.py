@@ -1,18 +1,6 @@
-"""Drive the workers of one model replica from the engine process.
-
-The engine process is rank 0 and runs its own worker in-process. With more ranks on
-this host it spawns one process per other rank; each step the plan goes to them through a
-ring in shared memory (distributed/shm_broadcast.py) and every rank runs it. Under torchrun
-every rank already exists (perhaps on other hosts): ranks other than 0 enter the worker loop
-and the plan is broadcast over a gloo group.
-
-Failures end in bounded time with an error that names the rank: a watchdog thread notices a
-dead worker at once; a plan send waits for the ring at most the timeout, and every
-collective of a step is bounded by `distributed_timeout_s` (a stopped or hung worker).
-A step cut short on rank 0 (an exception, a second Ctrl-C) leaves the ranks out of step:
-the executor then stops its workers and refuses further steps. One multi-process engine
-lives in a process at a time (torch.distributed has one default group): building another
-shuts the previous one down; so do shutdown(), a failed start, and exit (atexit)."""
+"""Drive the workers of one model replica from the engine process (rank 0, its worker in-process;
+other ranks spawned, or under torchrun). Failures end in bounded time with an error naming the
+rank; teardown on shutdown, failed start, a newer engine and exit (docs/architecture.md)."""
 from __future__ import annotations
 
 import atexit

@@ -1,14 +1,8 @@
 """Block pool and per-request block allocation, with prefix caching.
 
-The manager counts in *virtual* blocks: with context parallelism over W ranks one
-block id covers `block_size * W` tokens of a request, of which each CP rank stores
-`block_size` (see cp_slot_mapping.py). Here that product is `tokens_per_block`.
-
-Prefix caching: a full block is named by a hash chain over its tokens
-(h_i = hash((h_{i-1}, tokens of block i))). Computed full blocks are registered
-in `cached`; a new request reuses the longest chain of hits, bumping reference
-counts. Free blocks sit in an LRU queue; a cached free block keeps its hash until
-it is taken for new data (evicted), oldest first."""
+Counts in virtual blocks of `tokens_per_block` = block_size * W tokens (W CP ranks,
+cp_slot_mapping.py). A full block is named by a hash chain h_i = hash((h_{i-1}, its tokens));
+free blocks wait in an LRU queue, cached ones keeping their hash until taken (evicted)."""
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -1,10 +1,6 @@
-"""The front end: the door, the engine cores' client and every request's outputs.
-
-`LLM` (offline) and the API server (online) share it: a prompt is tokenized and validated
-here (`make_request`, raising ValueError / TypeError naming the field, before anything is
-queued), goes to the engine core that the DP coordinator picks, and comes back as text
-through the output processor. The step loop runs in the cores' own processes
-(engine/core_proc.py), or on a thread of this one (`LONGSERVE_ENABLE_MULTIPROCESSING=0`)."""
+"""The front end: the door (`make_request` tokenizes and validates, raising ValueError / TypeError
+naming the field), the engine cores' client (DP coordinator) and every request's outputs;
+shared by `LLM` and the API server (docs/architecture.md, 'Engine cores and the front end')."""
 from __future__ import annotations
 
 import contextlib

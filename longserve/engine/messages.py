@@ -1,13 +1,6 @@
-"""What the front end and the engine-core processes say to each other (msgspec / msgpack).
-
-Front end -> core, on a DEALER socket per core (frames: kind, payload):
-  ADD      EngineCoreRequest, already validated and tokenized at the door
-  ABORT    list of request ids
-  UTILITY  (call id, method name, args): a method of EngineCore, answered in UtilityResult
-  WAVE     a wave number: expert models' DP ranks step together while any has work
-  SHUTDOWN nothing
-Core -> front end, on a PUSH socket: one EngineCoreOutputs per step (every request that
-gained tokens or finished), also sent alone as a heartbeat, a utility answer or a wave event."""
+"""What the front end and the engine cores say to each other (msgspec). To a core (frames: kind,
+payload): ADD (EngineCoreRequest), ABORT (ids), UTILITY (call id, method, args), WAVE, SHUTDOWN.
+From a core: one EngineCoreOutputs a step, also alone as heartbeat, utility answer or wave event."""
 from __future__ import annotations
 
 import pickle

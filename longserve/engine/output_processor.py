@@ -1,11 +1,6 @@
-"""The front end's side of every request: text, stop strings, logprobs, streams and metrics.
-
-Engine cores report token ids (`EngineCoreOutput`); here, off the step loop's process, they
-become text (incremental detokenization that never splits a character), stop strings are
-found (the request is then finished here and aborted in its core), and each request's
-reader gets either a delta per step (`RequestStream`: the server's SSE) or, when it asked
-for the end only, one `RequestOutput` (`LLM.generate`). A core that dies fails its requests
-with `EngineDeadError`."""
+"""The front end's side of every request: token ids from the cores become text, stop strings are
+found (the request then aborted in its core), and each reader gets a delta per step
+(`RequestStream`) or one final `RequestOutput`; a dead core fails its requests (EngineDeadError)."""
 from __future__ import annotations
 
 import asyncio

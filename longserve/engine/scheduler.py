@@ -1,35 +1,10 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
-Each step spends a token budget: running requests first (decodes and unfinished
-prefill chunks, in arrival order), then waiting requests. When the KV pool runs
-short, the most recently admitted running request is preempted: its blocks are
-freed and it goes back to the front of the queue to be recomputed later (its
-full blocks usually come back as prefix-cache hits).
-
-Liveness: the oldest running request is never a victim (victims come from the tail), so it
-gains at least one token every step and finishes; then the next one is oldest. That needs
-every request to fit the pool *alone* at its longest (prompt + max_tokens, capped by
-max_model_len): `check_fits` is the door rule the engine applies before queueing. A request
-that got in without it and outgrows the whole pool is finished ("length") rather than
-preempted and readmitted forever.
-
-Prompt logprobs need the hidden state of every prompt position, so a request that still
-misses some recomputes its prompt instead of reading the prefix cache (as vLLM v1 does);
-its computed blocks are registered for the others all the same. Each chunk asks only for
-the positions not collected yet, so a preempted and recomputed request gives no duplicates.
-
-A request's computed count advances when its chunk is *scheduled*, and a chunk that samples
-leaves a placeholder for the token to come (`num_output_placeholders`). Synchronously the
-result is applied before the next schedule, so placeholders are always 0 by then; with
-asynchronous scheduling the next step is planned first, and a running request then decodes
-its placeholder (the workers fill in the id on the device). A request that has reached its
-token limit counting placeholders waits for its results instead of decoding past the limit,
-and a preempted one is not readmitted while a step that included it is still in flight.
-
-Several choices (SamplingParams.n): choice 0 computes the prompt; when its last prompt chunk
-is planned the other choices fork from it onto its full prompt blocks (`_fork`), and from
-then on each is a request of its own (preempted, finished, aborted alone). A request is
-admitted only if max_num_seqs has room for all its choices."""
+Each step spends a token budget: running requests first, then waiting ones; when the KV pool
+runs short the most recently admitted running request is preempted. Liveness (the door rule
+`check_fits`), placeholders of asynchronous scheduling and the fork of several choices:
+docs/architecture.md, 'Bad input and liveness', 'Asynchronous scheduling', 'Several choices'.
+A request that needs prompt logprobs recomputes its prompt rather than read the prefix cache."""
 from __future__ import annotations
 
 from collections import deque
@@ -107,13 +82,9 @@ class Scheduler:
             out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
 
     def _fork(self, parent: Request) -> None:
-        """The parent's prompt is planned to its end: its other choices join the running list
-        (from the next step on) with a reference to each of its full prompt blocks, no copy.
-        The prompt's last block (partial, or holding the last prompt token) stays the parent's:
-        each child takes a block of its own and computes those 1..tokens_per_block tail tokens
-        itself. That is cheaper and simpler than copying the block on every CP rank, and the
-        child samples its first token from its own logits (its own seed). A child's step reads
-        the shared blocks after the parent's step wrote them (the plans run in order)."""
+        """The parent's prompt is planned to its end: its other choices join the running list sharing
+        its full prompt blocks (docs/architecture.md, 'Several choices'); each recomputes the prompt's
+        last block in a block of its own."""
         shared = parent.block_ids[:(parent.num_prompt_tokens - 1) // self.kv.tokens_per_block]
         for child in [c for c in parent.children if not c.is_finished]:  # (aborted while parked)
             child.block_ids = self.kv.share(shared)

@@ -1,17 +1,6 @@
-"""Structured outputs with xgrammar: compiled grammars (an LRU cache by spec), a grammar
-state per request, and the token bitmask of a step's structured rows.
-
-The door (LLMEngine.make_request) compiles a request's grammar so that one xgrammar cannot
-compile is refused before it is queued. The engine core compiles it again on a thread of its
-own (a large schema can take long) and the request joins the scheduler only when its matcher
-is ready. A step with structured requests samples after its forward: while the device runs
-it, the mask thread advances each row's matcher by the tokens the host learnt since (one
-accept per token, in order, so a recompute after preemption feeds it nothing twice) and fills
-their bitmask (one xgrammar call for all rows, which releases the GIL), while the step loop
-plans the next step (engine/core.py). The scheduler ends a request at a stop token of its
-grammar without the matcher (the mask allows one only where the grammar may end); a token
-the matcher rejects, which the mask forbids, ends its request one step later.
-"""
+"""Structured outputs with xgrammar: compiled grammars (an LRU cache by spec), a `GrammarState`
+per request, the core's compile thread, and the mask thread that accepts a step's tokens and
+fills the next bitmask (docs/architecture.md, 'Structured outputs')."""
 from __future__ import annotations
 
 import functools

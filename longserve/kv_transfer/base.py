@@ -1,28 +1,17 @@
-"""The KV connector API, in vLLM v1's shape: a scheduler side and a worker side.
-
-Two connectors implement it: `offload` (device blocks <-> a host pool) and `p2p` (prefill/
-decode disaggregation between instances). The engine holds at most one of each side.
+"""The KV connector API, in vLLM v1's shape (flow: docs/architecture.md, 'KV transfer').
+Implemented by `offload` and `p2p`; the engine holds at most one of each side.
 
 Scheduler side (engine process, owns every block's lifetime):
   get_num_new_matched_tokens(request, num_computed_tokens) -> (num_external_tokens, load_async)
-      how many prompt tokens after the local prefix-cache hit can be loaded from outside;
-      load_async: the request waits (blocks allocated) until the workers report the load done.
   update_state_after_alloc(request, block_ids, num_external_tokens)
-      the request's blocks are allocated: remember which of them the load fills.
-  build_connector_meta(scheduler_output) -> metadata carried in the step plan
-      (a `filled_block_ids` attribute: blocks the workers' connector initialises itself).
+  build_connector_meta(scheduler_output) -> step-plan metadata (`filled_block_ids`: not zeroed)
   request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
-      delay_free: keep the blocks until the workers report the request finished sending
-      (a producer's lease); kv_transfer_params go back to the client.
-  has_pending() -> whether workers must keep stepping (held blocks, loads in flight).
-
+  has_pending() -> whether workers must keep stepping (held blocks, loads in flight)
 Worker side (every rank):
-  register_kv_caches(kv_caches: dict[layer name, tensor], kv_scales: dict[layer name, tensor]
-                     or None)  the FP8 cache's per-head scales (None: the model's dtype)
-  start_load_kv(metadata)     before the forward pass (and before new blocks are zeroed)
-  wait_for_save()             after the forward pass
+  register_kv_caches(kv_caches, kv_scales or None)   {layer name: tensor}
+  start_load_kv(metadata) before the forward (and the zeroing); wait_for_save() after it
   get_finished(finished_req_ids) -> (finished_sending, finished_recving)
-  get_block_ids_with_load_errors() -> set of block ids whose load failed"""
+  get_block_ids_with_load_errors() -> set of block ids"""
 from __future__ import annotations
 
 from longserve.kv_transfer.utils import KVConnectorOutput

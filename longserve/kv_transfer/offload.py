@@ -1,14 +1,6 @@
-"""CPU offload: prefix-cache blocks evicted from the device cache go to a host pool, and a
-later prefix hit on the host loads them back instead of recomputing them.
-
-Scheduler side: the KV manager reports each evicted cached block (block id, hash); the
-connector gives it a host block (free, else the least recently used host entry) and plans a
-save. A request's next full blocks after the device hit that are on the host are loaded
-synchronously: they count as computed in the same step. Worker side: before the step
-(before new blocks are zeroed or written), the saves then the loads run through
-copy_kv_blocks, on a side stream on CUDA, one batched copy per layer and direction.
-The host pool is per layer [2, num_host_blocks, block_size, H, D * itemsize] bytes, pinned on CUDA.
-"""
+"""CPU offload: prefix-cache blocks evicted from the device go to a host pool (LRU), and a later
+hit on the host loads them back (counted as computed in the same step). Host pool per layer:
+[2, num_host_blocks, block_size, H, D * itemsize] bytes, pinned on CUDA."""
 from __future__ import annotations
 
 import heapq

@@ -1,21 +1,6 @@
-"""Prefill/decode disaggregation: a producer instance computes the prompt and keeps its
-blocks under a lease; a consumer instance pulls the KV it needs and decodes.
-
-Producer (kv_role kv_producer): `request_finished` keeps a finished request's blocks (held
-by the scheduler) and returns transfer params (engine id, store address, block ids, KV
-layout). Each producer rank serves pulls from a thread: it packs the pieces a consumer rank
-asks for (only while the request is held and its lease runs) and sends them over the pair's
-process group (built and warmed at the pair's first pull, reused by every later one). A held
-request is let go when the consumer writes its release key or the lease ends, and never while
-a pull is reading it (no send outlasts the lease); the workers report it finished sending and
-the scheduler frees its blocks.
-
-Consumer (kv_role kv_consumer): a request with kv_transfer_params {"do_remote_prefill": true,
-...} loads prompt positions [local prefix hit, prompt length - 1) asynchronously (the last
-prompt token is computed here: its logits give the first token). Each consumer rank pulls
-its pieces (topology.plan_kv_pieces) in a thread; any failure marks the request's blocks
-invalid, and the scheduler recomputes the prompt (or fails the request, by policy). After
-the load (or on a full local hit) the consumer writes the producer's release key."""
+"""Prefill/decode disaggregation: a producer instance computes the prompt and holds its blocks
+under a lease; a consumer instance pulls positions [local hit, prompt - 1) and decodes. Lease,
+release key and failure policy: docs/architecture.md, 'KV transfer'."""
 from __future__ import annotations
 
 import contextlib

@@ -1,15 +1,6 @@
-"""Which remote (producer) ranks hold which parts of a local (consumer) rank's KV.
-
-`TpKVTopology` keeps vLLM's names and TP semantics and extends them to context parallelism.
-One instance's KV placement (docs/architecture.md "Rank layout"):
-- model ranks are `pcp x tp` (rank = pcp_rank * tp + tp_rank); CP rank = pcp_rank * dcp +
-  tp_rank % dcp; W = pcp * dcp KV shards;
-- position p is stored by CP rank (p // I) % W (I = interleave), in block
-  block_ids[p // (B * W)] at the offset of longserve/cp_slot_mapping.py;
-- KV heads: the tp/dcp head groups each own num_kv_heads/(tp/dcp) heads (one replicated
-  head when there are fewer heads than groups), as models/layers.py kv_head_range.
-So a local rank needs, for each of its heads h and each position p it stores, the remote
-rank whose CP rank owns p and whose head group holds h: a list of `KVPiece`s."""
+"""Which producer ranks hold which parts of a consumer rank's KV: `TpKVTopology` (vLLM's names and
+TP semantics, extended to CP) and `plan_kv_pieces`, from each side's `KVLayout` (placement rule:
+docs/architecture.md, 'Rank layout', 'KV transfer')."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,15 +1,7 @@
-"""Packing a `KVPiece` out of the sender's caches and into the receiver's.
-
-Caches: one [2, num_blocks * k, kernel_block_size, H, D] tensor per layer (NHD; kernel
-blocks of one manager block are consecutive, so the cache reads as [2, num_blocks, B, H, D]
-and a slot is block * B + offset either way). A piece's payload is one tensor:
-
-- "blocks" wire (same CP sharding on both sides, the receiver's block a multiple of the
-  sender's, the range starting on a receiver block): the sender's whole blocks, its heads of
-  the piece, in its `cache_layout` ([L, 2, m, B, h, D] NHD or [L, 2, m, h, B, D] HND), m
-  padded to whole receiver blocks. The receiver lands the bytes as its own blocks and fixes
-  them with kv_postprocess_{layout,blksize_and_layout}_on_receive.
-- "tokens" wire (any other pair): the rows of the piece's positions, [L, 2, n, h, D]."""
+"""Packing a `KVPiece` out of the sender's caches and into the receiver's. Payloads: "blocks" wire
+(same CP sharding, receiver block a multiple of the sender's): the sender's whole blocks in its
+`cache_layout`, [L, 2, m, B, h, D] NHD or [L, 2, m, h, B, D] HND, fixed on receipt; "tokens" wire
+(any other pair): the rows of the piece's positions, [L, 2, n, h, D]."""
 from __future__ import annotations
 
 from dataclasses import dataclass

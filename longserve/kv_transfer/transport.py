@@ -1,17 +1,7 @@
-"""The byte transport: one torch.distributed process group per (producer rank, consumer
-rank) pair, built from the producer's TCPStore (ProcessGroupGloo on CPU, ProcessGroupNCCL on
-GPU); producer is rank 0 of the pair, consumer rank 1. Control messages go through the store.
-
-A pair's group is built once, at first contact, and warmed with one tiny send/recv (NCCL
-creates its communicator on the first op, which would otherwise land on the first pull);
-every later pull of that pair reuses it. A failed pair is dropped and rebuilt under a new
-epoch on the next pull.
-
-A pull: the consumer rank pushes a message onto the producer rank's queue in the store
-(`pullq/<engine>/<rank>`; the producer's serving thread blocks on the queue, so it wakes at
-once), then receives over the pair's group a status word (1: the producer holds the request,
-0: it no longer does) and, after 1, the pieces' payloads with tags 1, 2, ... One store round
-trip per pull; no polling."""
+"""The byte transport: one process group per (producer rank, consumer rank) pair, from the
+producer's TCPStore (producer rank 0, consumer rank 1), built and warmed once, rebuilt under a
+new epoch after a failure. A pull: a message on `pullq/<engine>/<rank>` in the store, then over
+the pair's group a status word (1: held) and the pieces with tags 1, 2, ..."""
 from __future__ import annotations
 
 import datetime

@@ -1,11 +1,6 @@
-"""Model names: the default real model (`smollm2`), and built-in models: real architectures
-with seeded random weights, written as HF folders.
-
-`builtin:<name>` resolves to a folder under the cache directory (LONGSERVE_CACHE, default
-~/.cache/longserve) holding config.json, model.safetensors and tokenizer.json, made on
-first use and then loaded through the ordinary loader. The `*-shape` entries carry only a
-config (real model shapes for benchmarks); load them with `load_format="dummy"`.
-"""
+"""Model names: `smollm2` (the default real model) and `builtin:<name>`, real architectures with
+seeded random weights written once as HF folders under LONGSERVE_CACHE (default
+~/.cache/longserve); `*-shape` entries carry only a config (use load_format="dummy")."""
 from __future__ import annotations
 
 import json

@@ -1,19 +1,6 @@
-"""Dual-batch overlap (DBO): two micro-batches of one step, their forwards interleaved.
-
-Each micro-batch's forward is a generator (`forward_stages`) that yields whenever an expert
-layer has started a collective (dispatch or combine, async_op=True). Running the two in
-turn means that while micro-batch A's tokens travel, micro-batch B computes (its attention,
-or its experts), and the other way round:
-
-    A: attn | dispatch ~~~~~~~~~~~~~~~ | experts | combine ~~~~~~~~~~~~ | attn ...
-    B:         attn | dispatch ~~~~~~~~~~~~~~~~~~ | experts | combine ~~~~ ...
-
-On GPU the collectives run on the communicator's stream, the compute on the current one;
-waiting on a collective's work handle orders the two streams by events. On CPU (gloo) the
-same code gives the same tokens as one batch: every token's arithmetic is unchanged.
-The micro-batches' KV writes go to disjoint slots, so their order does not matter.
-DBO steps run eagerly (decode steps without it replay CUDA graphs), so it is off by default.
-"""
+"""Dual-batch overlap (DBO): two micro-batches' forwards (`forward_stages` generators that yield
+while an expert collective is in flight) run in turn, so one's dispatch/combine overlaps the
+other's compute. Same tokens as one batch; eager only, so off by default."""
 from __future__ import annotations
 
 import torch

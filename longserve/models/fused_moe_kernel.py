@@ -1,18 +1,7 @@
-"""A fused mixture-of-experts kernel: both expert GEMMs over the step's (token, expert) pairs.
-
-The router's softmax, top-k and renormalisation are one kernel (`route_triton`). The pairs
-are sorted by expert and each expert's run is padded to a multiple of BLOCK_M (`align_pairs`:
-a program per chunk of pairs counts them, then each takes its places by atomics), so every
-block of BLOCK_M sorted slots holds the pairs of one expert, or none (blocks past the used
-ones exit at once). One kernel, launched twice:
-  1. gate-up: x's rows gathered by token -> silu(x W_gate^T) * (x W_up^T) -> h [slots, width]
-  2. down:    h in slot order -> (h W_down^T) * routing weight -> out [pairs, hidden], pair order
-then one kernel adds each token's pairs (`combine_pairs`). A block reads its expert's weights
-once: at decode (a few pairs an expert) the step reads each hit expert once, its bytes floor.
-Every shape depends only on the pair count (the grid covers the worst case), so every launch
-is captured in CUDA graphs.
-Imported only when it runs (CUDA tensors, or the CPU under TRITON_INTERPRET=1).
-"""
+"""A fused mixture-of-experts kernel: routing (`route_triton`), the pairs sorted by expert and
+padded to BLOCK_M (`align_pairs`), one kernel launched for gate-up (SiLU-and-mul) and for down
+(times the routing weight), and `combine_pairs`. Shapes follow the pair count only (graph
+capturable). docs/architecture.md, 'Experts on the GPU'. Imported only when it runs."""
 from __future__ import annotations
 
 import os
@@ -72,11 +61,8 @@ def _place_kernel(ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, first, n
 def align_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int):
     """ids [...] global expert ids (this rank holds [first, first + num_local)) -> slot_pair [S]
     (the pair in each sorted slot, num_pairs for padding) and block_expert [S / block_m] (-1:
-    unused). S covers the worst case, P + num_local * (block_m - 1): it depends on P alone.
-    A count launch and a place launch of a program per PLACE_CHUNK pairs: 8-10 us from 8 to
-    4,096 pairs on an H100, where one program aligning them all took 9 us at 8 pairs, 24 at
-    256 and 79 at 1,024 (docs/benchmarks.md); the order within a run is free (each slot's
-    rows are computed alone)."""
+    unused); S = P + num_local * (block_m - 1), the worst case. A count launch and a place launch,
+    a program per PLACE_CHUNK pairs (docs/architecture.md, 'Experts on the GPU')."""
     ids = ids.reshape(-1).contiguous()
     num_pairs, e_bins = ids.numel(), triton.next_power_of_2(num_local)
     num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m

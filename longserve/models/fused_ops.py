@@ -1,15 +1,7 @@
-"""Fused elementwise steps of the decoder layer: RMSNorm(+residual), q/k-norm + RoPE, SiLU-mul;
-and the decode linears' GEMV.
-
-Unfused, each of these is 4-8 torch kernels with float32 round trips through memory; in a
-prefill step of thousands of tokens they cost more GPU time than the attention, and in a
-mixed step their launches keep the GPU waiting on the host. CUDA tensors go to the Triton
-kernels in `fused_kernels.py` (imported only then: a CPU install needs no Triton); every
-kernel reproduces the rounding of the torch version it replaces (HF's): values are rounded
-to the model dtype where HF rounds them, and computed in float32 in between.
-
-The torch versions (used on CPU, and the reference in tests) are the `*_torch` functions.
-"""
+"""Fused elementwise steps of the decoder layer (RMSNorm(+residual), q/k-norm + RoPE, SiLU-mul) and
+the decode linears' GEMV. CUDA tensors go to Triton (fused_kernels.py, gemv_kernel.py, imported
+only then), rounding as HF's torch versions do; the `*_torch` functions are the CPU path and
+the reference."""
 from __future__ import annotations
 
 import os

@@ -1,17 +1,6 @@
-"""The decode GEMV: y = x W^T (+ b) for a few rows of x, as one streaming pass over W.
-
-At batch 1 a decode step's linears are matrix-vector products: each reads its whole weight
-for a handful of FLOPs, so time is bytes. cuBLAS reads Llama-3-8B's at 1.8-2.8 TB/s of an
-H100's 3.35 (`bench_gemv.py`). Here each program streams a [BLOCK_N, K] band of W in
-[BLOCK_N, BLOCK_K] tiles (16-byte loads along K), several tiles in flight: one row of x
-accumulates products elementwise in float32 and sums them once at the end; 2-16 rows use a
-tensor-core dot (x padded to 16 rows costs no bytes). float32 accumulation, as cuBLAS. For
-one row the MLP's [gate; up] weight can also give SiLU(gate) * up directly: a program
-computes a gate row and its up row.
-
-Imported only when a kernel is about to run (`fused_ops.linear`), so a CPU install needs no
-Triton.
-"""
+"""The decode GEMV: y = x W^T (+ b) for 1-16 rows of x, one streaming pass over W in [BLOCK_N,
+BLOCK_K] tiles, float32 accumulation; for one row, optionally SiLU(gate) * up of the MLP's
+[gate; up] weight (docs/architecture.md, 'CUDA graphs'). Imported only when it runs."""
 from __future__ import annotations
 
 import torch

@@ -1,10 +1,5 @@
-"""GGUF tensor dequantization, vectorised in numpy: raw GGML blocks -> float32.
-
-Each quantized type packs `block_size` weights into `type_size` bytes (block layouts from
-ggml's `ggml-common.h`). The float32 arithmetic is done in the same order as the `gguf`
-package's reference (`gguf.quants.dequantize`), in numpy as there, so the results are
-equal bit for bit (NaN payloads included); the caller casts to the engine's dtype.
-"""
+"""GGUF tensor dequantization in numpy: raw GGML blocks (layouts of ggml's `ggml-common.h`) ->
+float32, in the `gguf` package's order of operations, so equal bit for bit (NaN payloads too)."""
 from __future__ import annotations
 
 import numpy as np

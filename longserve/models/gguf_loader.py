@@ -1,16 +1,7 @@
-"""GGUF checkpoints (llama.cpp's single-file format): config, tensors and names, read with
-the `gguf` package's own reader.
-
-A `.gguf` file carries the architecture in its metadata (`<arch>.block_count`, ...), the
-tokenizer (`tokenizer.ggml.*`, see gguf_tokenizer.py) and the tensors under llama.cpp's
-names (`blk.N.attn_q.weight`, ...), each in its own GGML type. This module turns the
-metadata into a HF-style config dict and yields every tensor dequantized to float32
-under its HF name, so the ordinary loader (loader.py) slices it for this TP rank.
-
-llama.cpp's converter permutes the rows of Llama's q_proj / k_proj so that each head's
-rotary pairs are interleaved (GPT-J style, (x0, x1), (x2, x3), ...). Our rotary embedding
-is Neox style, as in HF (pairs (x_i, x_{i+D/2})), so the permutation is undone here and
-the weights are HF's own again."""
+"""GGUF checkpoints (llama.cpp's single-file format), read with the `gguf` package: the metadata as
+a HF-style config dict, every tensor dequantized to float32 under its HF name (loader.py then
+slices it). llama.cpp permutes Llama's q/k rows for GPT-J-style RoPE; ours is Neox style, as
+HF's, so the permutation is undone here."""
 from __future__ import annotations
 
 import functools

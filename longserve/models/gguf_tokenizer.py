@@ -1,11 +1,6 @@
-"""The tokenizer of a GGUF file, rebuilt as a HF `tokenizers` Tokenizer from `tokenizer.ggml.*`.
-
-Byte-level BPE files (`tokenizer.ggml.model == "gpt2"`: GPT-2, Llama 3, Qwen, SmolLM) carry
-the vocabulary (`tokens`, index = id), the `merges` ("a b", by rank), each token's type
-(3 = control, 4 = user-defined: both matched whole in text) and the name of the
-pre-tokenizer (`pre`: how text is split before BPE). SentencePiece files ("llama") are not
-rebuilt: pass `tokenizer=<folder with tokenizer.json>` for those.
-"""
+"""The tokenizer of a GGUF file, rebuilt as a HF `tokenizers` Tokenizer from `tokenizer.ggml.*`
+(byte-level BPE, model "gpt2"). SentencePiece ("llama") files are not rebuilt: pass
+`tokenizer=<folder with tokenizer.json>`."""
 from __future__ import annotations
 
 CONTROL, USER_DEFINED = 3, 4

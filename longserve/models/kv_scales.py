@@ -1,32 +1,7 @@
-"""Scales of the FP8 KV cache: one per layer, KV head and K / V, fixed at load.
-
-The cache holds k / s and v / s as float8 e4m3 (attention/kv_quant.py). e4m3 is a float:
-3 mantissa bits, so the same relative precision anywhere in its normal range [2^-6, 448],
-a span of 2^14.8. A scale only has to keep |x| / s under 448 (no saturation) while the
-values that matter stay far above 2^-6 s. Where the scales come from, in order:
-
-1. the checkpoint: vLLM's `model.layers.N.self_attn.k_scale` / `v_scale` (or `kv_scale` for
-   both), a scalar or one per KV head, as calibration tools write them;
-2. else a bound from the weights that no input can exceed (calibration-free):
-   - the projections see x = RMSNorm(h) * gamma with |RMSNorm(h)|_2 <= sqrt(hidden), so
-     |k_i| <= |W_k[i] * gamma|_2 sqrt(hidden) + |b_i| (Cauchy-Schwarz), the same for v;
-   - Qwen3 normalises each K head first: |k_hat|_2 <= sqrt(head_dim), so |k_i| <=
-     sqrt(head_dim) max|gamma_k|;
-   - RoPE rotates dims i and i + D/2 together: |k'_i| <= hypot(bound_i, bound_{i+D/2}).
-   s = max over the head / 448, rounded up to a power of two. The bound is loose by
-   roughly the alignment of x with a row (tens for real models), which leaves typical
-   values near 448 / 100 and the smallest that matter still normal: measured in
-   benchmarks/bench_precision.py. A power of two makes quantizing and dequantizing exact
-   multiplications, and two ranks whose float sums differ in the last bit (another row
-   count, another reduction order) still get the same scale.
-
-Both are a function of the weights alone: every rank that stores a head (TP replicas, the
-DCP and PCP ranks that share it) computes the same scale with no communication, a KV
-producer and consumer of the same model agree, and no request's data decides another's
-precision (a first-prefill amax would). Per head rather than per layer costs nothing: a
-kernel program works on one KV head and loads one scalar, and a per-layer scale would need
-every rank's heads.
-"""
+"""Scales of the FP8 KV cache: one per layer, KV head and K / V, fixed at load: the checkpoint's
+(`k_scale` / `v_scale` / `kv_scale`), else a bound from the weights that no input can exceed,
+rounded up to a power of two. Why this bound and why per head: docs/architecture.md, 'FP8 KV
+cache'."""
 from __future__ import annotations
 
 import re

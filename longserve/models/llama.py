@@ -1,10 +1,6 @@
-"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder with tensor parallelism.
-
-They differ only in details: Qwen2 has a bias on q, k, v; Qwen3 (and Qwen3-MoE) normalises
-each head of q and k (RMSNorm over head_dim) before RoPE; in Qwen3-MoE and Mixtral the
-layers listed in `cfg.moe_layers` have a mixture of experts (models/moe.py) as their MLP. Token tensors are flat [T, ...]:
-the batch is the concatenation of every scheduled request's tokens.
-"""
+"""Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder with tensor parallelism: Qwen2's q/k/v bias,
+Qwen3's per-head q/k RMSNorm before RoPE, expert MLPs where `cfg.moe_layers` says (models/moe.py).
+Token tensors are flat [T, ...]: every scheduled request's tokens concatenated."""
 from __future__ import annotations
 
 import re
@@ -70,12 +66,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, cos_sin, hidden, residual, meta, sp: bool, dp_pad: int | None = None):
-        """With sequence parallelism (`sp`), hidden and residual hold this TP rank's slice of
-        the tokens between layers: gather before the column-parallel matmuls, reduce-scatter
-        after the row-parallel ones. dp_pad: tokens per DP rank in expert layers.
-
-        The layer is two pieces around its attention (the piecewise CUDA graphs of
-        worker/piecewise_graphs.py capture the pieces and run the attention between them)."""
+        """With sequence parallelism (`sp`) hidden and residual hold this TP rank's slice of the tokens
+        between layers. dp_pad: tokens per DP rank in expert layers. Two pieces around attention
+        (what worker/piecewise_graphs.py captures)."""
         q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp)
         out = self.self_attn.attn(q, k, v, meta)
         return self.after_attention(out, residual, sp, dp_pad)

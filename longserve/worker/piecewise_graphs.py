@@ -1,32 +1,8 @@
-"""Piecewise CUDA graphs for steps with prefill: each layer's dense work replayed as graphs,
-its attention run eagerly between them.
-
-A step with prefill has T tokens from any mix of requests. Its attention depends on the
-requests' lengths (host metadata, kernels per request), but everything else in a layer is
-row-wise: only the row count changes. So T is padded to a bucket and the forward runs as
-L + 1 segments (L layers), each captured once per bucket:
-
-    segment 0:  embedding, cos/sin of the positions, layer 0 before attention
-    segment i:  layer i-1 after attention, layer i before attention       (0 < i < L)
-    segment L:  layer L-1 after attention, final norm
-
-Segments read and write static buffers ([largest bucket, ...], shared by every bucket and
-segment: RoPE writes q and k into them, v and the residual are copied in, attention writes
-attn_out; what a graph allocates lives in the memory pool and dies with its segment):
-
-    input_ids, positions -> [segment 0] -> q, k, v, residual, cos, sin
-    attention of layer i (eager) on rows [0, T) of q, k, v -> attn_out
-    attn_out, residual, cos, sin -> [segment i+1] -> q, k, v, residual ... -> hidden
-
-Padding rows [T, bucket) never reach attention (they store no K/V and read nothing); they
-hold earlier steps' token ids, positions and attention outputs (zeros at first): finite
-values, and dense ops never mix rows, so they cannot leak into the real rows.
-
-With `use_graphs=False` (CPU, tests) the same segments run in the same order on the same
-buffers, called instead of replayed. With TP the all-reduces of o_proj and down_proj are
-captured (NCCL). Not covered (those steps run eagerly): expert layers (their decode steps
-replay full graphs; DP ranks agree on each step's size), sequence parallelism, PCP (token counts differ per rank; K/V gathered in attention).
-"""
+"""Piecewise CUDA graphs for steps with prefill: T padded to a bucket, the forward as L + 1
+segments around the attentions (embedding + layer 0 before attention; layer i-1 after, layer
+i before; the last after + final norm), each a graph per bucket over static buffers
+(input_ids, positions, q, k, v, residual, cos, sin, attn_out); attention eager on rows [0, T).
+`use_graphs=False` runs the same segments. docs/architecture.md, 'CUDA graphs'."""
 from __future__ import annotations
 
 import bisect

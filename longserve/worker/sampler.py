@@ -1,11 +1,6 @@
-"""Turn the last-position logits of each request into its next token.
-
-Greedy rows take the argmax; the others are scaled by temperature, cut by top-k and
-top-p, and drawn with the exponential race (argmax of p / E, E ~ Exp(1)), which equals
-sampling from p. A seeded request draws its noise from a generator seeded with
-(seed, number of tokens sampled so far), so its tokens do not depend on the batch it
-lands in, nor on preemption.
-"""
+"""Turn the last-position logits of each request into its next token: argmax, or temperature,
+top-k, top-p and the exponential race (argmax of p / E, E ~ Exp(1)); a seeded request's noise
+comes from (seed, tokens sampled so far), so batch and preemption do not change its tokens."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,13 +1,6 @@
-"""Build one step's model inputs: token ids, positions, slot mapping, attention metadata.
-
-This is the one place where the step's tokens are laid out, so context parallelism
-partitions them here:
-- every array starts global, in request order (decodes first);
-- with PCP, `PCPManager.partition_inputs` keeps this rank's DualChunkSwap chunks (and
-  every decode), and attention gets the index that restores the gathered K/V;
-- with CP (pcp x dcp shards) the slot mapping stores each token on one rank only, and
-  paged attention reads each rank's shard length (`get_dcp_local_seq_lens`).
-"""
+"""Build one step's model inputs (token ids, positions, slot mapping, attention metadata): the one
+place the step's tokens are laid out, so PCP partitions them here (`PCPManager`) and CP's slot
+mapping stores each token on one rank."""
 from __future__ import annotations
 
 from dataclasses import dataclass

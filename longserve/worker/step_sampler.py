@@ -1,11 +1,6 @@
-"""A step's sampling for the model runner, and what a step returns (ModelRunnerOutput).
-
-The first PCP rank's TP group takes the logits of the sampling rows; its first rank samples
-(worker/sampler.py). The ids reach the host later (SampledTokens: the engine reads them a
-step later under asynchronous scheduling), and then also stay on the device, on every rank
-of the model group, for the next step's placeholders. A step with a structured request
-keeps its logits until the engine core's grammar bitmask arrives (sample_deferred).
-"""
+"""A step's sampling for the model runner (StepSampler: the first PCP rank's TP group samples; ids
+reach the host a step later and stay on the device for placeholders; a structured step waits
+for its bitmask) and what a step returns (ModelRunnerOutput)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

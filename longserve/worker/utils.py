@@ -1,11 +1,6 @@
 """Worker utilities: KV block zeroing, KV cache binding, kernel block sizes, memory sizing.
-
-KV cache layout (one tensor per attention layer that owns a cache):
-    [2, num_kernel_blocks, kernel_block_size, num_kv_heads, head_dim]   K/V outermost
-Scheduler ("manager") block b covers kernel blocks b*k .. b*k+k-1 with
-k = manager_block_size // kernel_block_size; they are contiguous in memory, so one
-manager block of one layer is two contiguous byte ranges ("segments"): its K and its V.
-"""
+A layer's cache: [2, num_kernel_blocks, kernel_block_size, Hkv, D]; manager block b is kernel
+blocks b*k .. b*k+k-1 (contiguous), so its K and its V are two contiguous byte ranges."""
 from __future__ import annotations
 
 import math
@@ -97,13 +92,8 @@ class KVBlockZeroer:
     def init_meta(self, attn_groups_iter: Iterable[AttentionGroup], kernel_block_sizes: list[int],
                   cache_dtype: str | torch.dtype, runner_only_attn_layers: set[str],
                   static_forward_context: dict[str, Any]) -> None:
-        """Collect every distinct cache buffer and precompute the kernel's segment table.
-
-        kernel_block_sizes: one per KV-cache group (see `prepare_kernel_block_sizes`).
-        cache_dtype: "auto" (whatever the caches hold) or a dtype every cache must have.
-        runner_only_attn_layers: layers that read another layer's cache (skipped; buffers
-        shared any other way are also counted once, by address).
-        static_forward_context: layer name -> module with a `.kv_cache` tensor.
+        """Collect every distinct cache buffer (by address; runner_only_attn_layers skipped) and
+        precompute the kernel's segment table. cache_dtype: "auto" or the dtype every cache must have.
         """
         dtype = None if cache_dtype == "auto" else parse_dtype(cache_dtype)
         seen: set[int] = set()

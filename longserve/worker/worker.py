@@ -34,12 +34,9 @@ JOIN_TIMEOUT_S = 60.0  # the least time a spawned process gets to start and join
 
 def rendezvous(init_method: str, rank: int, world: int, timeout_s: float,
                alive_check: Callable[[], None] | None = None) -> dist.Store:
-    """The TCP store every rank joins (rank 0 hosts it). Each other rank says hello; rank 0
-    polls for the hellos (a non-blocking check every 50 ms: a blocking wait with a short
-    timeout makes c10d log a warning each time it expires) and calls `alive_check` between
-    polls, so a rank that dies before joining fails start-up at once instead of after the
-    whole timeout. Joining may take JOIN_TIMEOUT_S even with a shorter timeout: a new
-    process imports torch first."""
+    """The TCP store every rank joins (rank 0 hosts it and polls for the others' hellos every 50 ms,
+    calling `alive_check` between polls, so a rank that dies before joining fails start-up at once).
+    Joining may take JOIN_TIMEOUT_S: a new process imports torch first."""
     url = urlparse(init_method)
     store = dist.TCPStore(url.hostname, url.port, world, is_master=rank == 0,
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
