@@ -74,7 +74,7 @@ def parse(argv):
 @pytest.fixture
 def llm_without_engine(monkeypatch):
     """LLM(...) that builds its config and starts nothing."""
-    monkeypatch.setattr(longserve.llm, "LLMEngine", lambda config: None)
+    monkeypatch.setattr(longserve.llm, "LLMEngine", lambda config, **_: None)
     monkeypatch.setattr(LLM, "shutdown", lambda self: None)
     return LLM
 
