@@ -106,3 +106,38 @@ def test_context_parallel_with_preemption(models):
     outs, _ = run(models["llama"], ps, prefill_context_parallel_size=2, block_size=4, num_gpu_blocks=9)
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     assert_same(outs, ref)
+
+
+# Four-rank PCP layouts (issue 42): block 4, so a block-table entry covers 4 x pcp x dcp tokens;
+# a budget of 20 tokens a step cuts the prompts into chunks below, at and above that, and the
+# second round reads the sharded prefix back from the cache.
+FOUR_RANK_CP = {
+    "pcp4": dict(prefill_context_parallel_size=4),
+    "pcp2-tp2": dict(prefill_context_parallel_size=2, tensor_parallel_size=2),
+    "pcp2-tp2-dcp2": dict(prefill_context_parallel_size=2, tensor_parallel_size=2,
+                          decode_context_parallel_size=2),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rounds_one_rank(models):
+    ps = prompts(seed=2)
+    return ps, run(models["llama"], ps + ps, block_size=4, max_num_batched_tokens=20)[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(FOUR_RANK_CP))
+def test_four_rank_context_parallel_chunks_and_prefix_hits(models, two_rounds_one_rank, case):
+    ps, ref = two_rounds_one_rank
+    llm = LLM(models["llama"], device="cpu", block_size=4, max_num_batched_tokens=20,
+              **FOUR_RANK_CP[case])
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=VOCAB, ignore_eos=True)
+        first = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        second = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        kv = llm.engine.core.kv
+        assert kv.num_cached_tokens_hit > 0
+        assert_same(first + second, ref)
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        llm.shutdown()
