@@ -7,6 +7,10 @@ Prints the prefill time and TFLOP/s per GPU (FLOPs as in bench_prefill.py), the 
 step, and its floor: the bytes one rank reads a step (the weights, split by TP and whole on
 every PCP / DCP rank, plus its share of the KV) at --bw bytes/s.
 
+--layouts 1,pcp4,tp4,pcp2xtp2,tp4xdcp2 runs each layout in turn and prints a table: TTFT,
+efficiency against the one-GPU row, the decode step against its floor, and a decode step's
+kernel launches and collective time a layer (rank 0, profiled over 3 steps of 11 or more).
+
 --kv-cache-dtype auto,fp8 runs each in turn (a fresh engine each) and prints the ratio of
 their decode steps; --model builtin:llama3-8b-1kv-shape is the shape where DCP should win:
 
@@ -43,10 +47,14 @@ def kv_share(num_kv_heads: int, tp: int, dcp: int, pcp: int) -> float:
     return heads / num_kv_heads / (pcp * dcp)
 
 
-def profile_steps(core, steps: int) -> None:
+COLLECTIVE_KERNELS = ("nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "alltoall")
+
+
+def profile_steps(core, steps: int, quiet: bool = False) -> dict:
     """Rank 0's host and device time over `steps` decode steps, by op (torch profiler): the
     device's busy time against the wall time (host-bound or device-bound?), the kernels by
-    device time, and the ops by host time (per layer: divide the calls by the layers)."""
+    device time, and the ops by host time (per layer: divide the calls by the layers). Returns
+    the step's wall and busy ms, its kernel launches and its collectives' device us."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -58,11 +66,16 @@ def profile_steps(core, steps: int) -> None:
     events = prof.key_averages()
     # the device's own events, as the table's total: CPU ops (record_param_comms) and NCCL's
     # annotations carry their kernels' time again
-    busy_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA
-                  and not e.is_user_annotation) / 1e3 / steps
-    print(f"profile: {wall_ms:.2f} ms a step, the device busy {busy_ms:.2f} ms of it", flush=True)
-    print(events.table(sort_by="self_device_time_total", row_limit=25), flush=True)
-    print(events.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    stats = dict(wall_ms=wall_ms, busy_ms=busy_ms, kernels=sum(e.count for e in kernels) / steps,
+                 collective_us=sum(e.self_device_time_total for e in kernels
+                                   if any(c in e.key.lower() for c in COLLECTIVE_KERNELS)) / steps)
+    if not quiet:
+        print(f"profile: {wall_ms:.2f} ms a step, the device busy {busy_ms:.2f} ms of it", flush=True)
+        print(events.table(sort_by="self_device_time_total", row_limit=25), flush=True)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+    return stats
 
 
 def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0, profile_chunk: int = 0):
@@ -74,7 +87,7 @@ def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0, pro
         req = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True))
         core.add_request(req)
         reqs.append(core.scheduler.requests[req.request_id])
-    t0, prefill_s, step_times = time.perf_counter(), None, []
+    t0, prefill_s, step_times, stats = time.perf_counter(), None, [], None
     while core.has_work():
         t = time.perf_counter()
         core.step()
@@ -88,9 +101,9 @@ def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0, pro
                 profile_steps(core, 1)
         elif all(1 < len(r.output_token_ids) < decode for r in reqs):
             step_times.append(time.perf_counter() - t)
-            if profile and len(step_times) == 8:
-                profile_steps(core, profile)
-    return reqs, prefill_s, step_times
+            if len(step_times) == 8:  # a few steps under the profiler: launches and collectives
+                stats = profile_steps(core, profile or 3, quiet=not profile)
+    return reqs, prefill_s, step_times, stats
 
 
 def load_run(llm, prompts, args, kv_cache_dtype: str) -> float:
@@ -107,8 +120,8 @@ def load_run(llm, prompts, args, kv_cache_dtype: str) -> float:
     return toks / dt
 
 
-def run(args, kv_cache_dtype: str) -> float:
-    """One engine with this KV dtype: --load's output tok/s, else the median decode step (ms)."""
+def run(args, kv_cache_dtype: str):
+    """One engine with this KV dtype: --load's output tok/s, else decode_run's row."""
     s = args.tokens
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_num_seqs=args.batch,
               max_model_len=s + args.decode + 64, max_num_batched_tokens=args.chunk,
@@ -127,8 +140,9 @@ def run(args, kv_cache_dtype: str) -> float:
     return result
 
 
-def decode_run(llm, prompts, args, kv_cache_dtype: str) -> float:
-    """Prefill, then the decode steps where every request decodes: the median step (ms)."""
+def decode_run(llm, prompts, args, kv_cache_dtype: str) -> dict:
+    """Prefill, then the decode steps where every request decodes: TTFT, the median step (ms),
+    its floor and (from 11 decode steps on) a layer's kernels and collective time."""
     s, cfg = args.tokens, llm.config.model
     with llm.engine.client.paused() as core:  # this thread steps the engine core
         weight_bytes = sum(p.numel() * p.element_size()  # rank 0's share of the weights
@@ -136,8 +150,8 @@ def decode_run(llm, prompts, args, kv_cache_dtype: str) -> float:
         pool_tokens = core.kv.num_blocks * core.kv.tokens_per_block
         if args.batch > 1:  # prefill them all first; then each decodes from the prefix cache
             prefill_s = prefill_and_decode(llm.engine, core, prompts, 1)[1]
-        reqs, prefill2_s, step_times = prefill_and_decode(llm.engine, core, prompts, args.decode,
-                                                          args.profile, args.profile_chunk)
+        reqs, prefill2_s, step_times, stats = prefill_and_decode(llm.engine, core, prompts, args.decode,
+                                                                 args.profile, args.profile_chunk)
         prefill_s = prefill2_s if args.batch == 1 else prefill_s
     ranks = args.pcp * args.tp
     flops = args.batch * (2 * PARAMS * s + 2 * s * s * HEADS * HEAD_DIM * LAYERS)
@@ -156,7 +170,14 @@ def decode_run(llm, prompts, args, kv_cache_dtype: str) -> float:
           f"{args.bw / 1e12:.1f} TB/s): {step_ms / floor_ms:.2f}x")
     print(f"KV of the prompt: {kv_bytes / 2**30:.1f} GiB in all, {rank_kv / 2**30:.1f} GiB per rank; "
           f"one GPU has {gpu_mem / 2**30:.0f} GiB; the pool holds {pool_tokens} tokens")
-    return step_ms
+    row = dict(layout=f"pcp={args.pcp} tp={args.tp} dcp={args.dcp}", gpus=ranks, ttft_s=prefill_s,
+               step_ms=step_ms, floor_ms=floor_ms)
+    if stats is not None:  # per layer: rank 0's kernel launches and collectives' device time
+        row.update(kernels_per_layer=stats["kernels"] / cfg.num_layers,
+                   collective_us_per_layer=stats["collective_us"] / cfg.num_layers)
+        print(f"a decode step's layer (rank 0): {row['kernels_per_layer']:.1f} kernels, "
+              f"{row['collective_us_per_layer']:.1f} us in collectives", flush=True)
+    return row
 
 
 def main():
@@ -173,6 +194,8 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="profile this many decode steps (rank 0)")
     ap.add_argument("--profile-chunk", type=int, default=0, help="profile the prefill step after this one")
     ap.add_argument("--kv-cache-dtype", default="auto", help="a comma list: auto, fp8")
+    ap.add_argument("--layouts", default="", help="a comma list run in turn, with efficiency against "
+                    "the one-GPU row, e.g. 1,pcp4,tp4,pcp2xtp2,tp4xdcp2 (overrides --pcp/--tp/--dcp)")
     ap.add_argument("--bw", type=float, default=4.2e12, help="HBM bytes/s for the floor (H200: 4.2e12)")
     ap.add_argument("--load", action="store_true",
                     help="output tok/s of the batch in one generate (e.g. --batch 32 --tokens 16384 "
@@ -182,10 +205,42 @@ def main():
     args = ap.parse_args()
     if args.fail_on_compile:  # the engine's processes inherit it (longserve/stalls.py)
         os.environ["LONGSERVE_FAIL_ON_COMPILE"] = "1"
+    if args.layouts:
+        return compare_layouts(args)
     steps = {d: run(args, d) for d in args.kv_cache_dtype.split(",")}
     if {"auto", "fp8"} <= set(steps):
         what = "output tok/s" if args.load else "decode step"
-        print(f"fp8 / bf16 {what}: {steps['fp8'] / steps['auto']:.3f}")
+        value = {d: r if args.load else r["step_ms"] for d, r in steps.items()}
+        print(f"fp8 / bf16 {what}: {value['fp8'] / value['auto']:.3f}")
+
+
+def parse_layout(name: str) -> dict:
+    """'1', 'pcp4', 'tp4', 'pcp2xtp2', 'tp4xdcp2' -> {pcp, tp, dcp}."""
+    sizes = dict(pcp=1, tp=1, dcp=1)
+    for part in name.split("x"):
+        kind = part.rstrip("0123456789")
+        if part != "1":
+            sizes[kind] = int(part[len(kind):])
+    return sizes
+
+
+def compare_layouts(args) -> None:
+    """Each layout in turn on this machine (a fresh engine each): TTFT, efficiency against the
+    first one-GPU row (T1 / (GPUs x TN)), the decode step against its floor, and a decode step's
+    kernels and collective time a layer."""
+    rows = []
+    for name in args.layouts.split(","):
+        vars(args).update(parse_layout(name))
+        rows.append(run(args, args.kv_cache_dtype.split(",")[0]))
+    one = next((r["ttft_s"] for r in rows if r["gpus"] == 1), None)
+    print(f"\n{args.tokens} tokens, chunk {args.chunk}, {args.model}, {torch.cuda.get_device_name()}\n")
+    print("| layout | GPUs | TTFT (s) | efficiency | decode step (ms) | step / floor | kernels a layer "
+          "| collectives a layer (us) |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        eff = f"{one / (r['gpus'] * r['ttft_s']):.2f}" if one else ""
+        print(f"| {r['layout']} | {r['gpus']} | {r['ttft_s']:.2f} | {eff} | {r['step_ms']:.2f} | "
+              f"{r['step_ms'] / r['floor_ms']:.2f}x | {r.get('kernels_per_layer', float('nan')):.1f} | "
+              f"{r.get('collective_us_per_layer', float('nan')):.1f} |")
 
 
 if __name__ == "__main__":
