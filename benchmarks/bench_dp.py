@@ -11,6 +11,9 @@
          a decode step at --bw bytes/s: the experts the batch hits, the dense weights, the KV
          at the mean context) and step / floor.
 
+`--tp N --dp M [--ep] [--dbo]` runs that one layout instead (four GPUs: `--tp 4`, `--dp 4 --ep`,
+`--dp 2 --tp 2 --ep`); host_busy is printed per row as for the others.
+
 Prints a markdown table and one JSON line per measurement. On a CPU (tiny models) it only
 checks that everything runs:
   python benchmarks/bench_dp.py --mode moe --model builtin:qwen3-moe-tiny --device cpu \
@@ -132,7 +135,8 @@ def bench_dense(args) -> list[dict]:
     path = model_folder(args.model or "builtin:qwen3-0.6b-shape", args.num_layers)
     n = args.batches[0]
     one = run_one(path, args, n)
-    two = run_one(path, args, n if args.same_prompts else 2 * n, data_parallel_size=2)
+    dp = args.dp or 2
+    two = run_one(path, args, n if args.same_prompts else dp * n, data_parallel_size=dp)
     two["speedup_vs_dp1"] = round(two["output_tok_s"] / one["output_tok_s"], 3)
     return [one, two]
 
@@ -145,6 +149,9 @@ def bench_moe(args) -> list[dict]:
                "dp2ep-dbo": dict(data_parallel_size=2, enable_expert_parallel=True, **dbo),
                "tp2-dbo": dict(tensor_parallel_size=2, **dbo)}
     layouts = [layouts[name] for name in args.layouts]
+    if args.tp or args.dp:  # one layout of any size (four GPUs: --tp 4; --dp 4 --ep; --dp 2 --tp 2 --ep)
+        layouts = [dict(tensor_parallel_size=args.tp or 1, data_parallel_size=args.dp or 1,
+                        enable_expert_parallel=args.ep, **(dbo if args.dbo else {}))]
     rows = []
     for n in args.batches:
         for layout in layouts:
@@ -191,6 +198,10 @@ def main() -> None:
     p.add_argument("--bw", type=float, default=3.35e12, help="HBM bytes/s for the floor (H100)")
     p.add_argument("--layouts", nargs="+", default=["tp2", "dp2ep", "dp2ep-dbo"],
                    choices=["tp2", "dp2ep", "dp2ep-dbo", "tp2-dbo"], help="moe: the layouts to run")
+    p.add_argument("--tp", type=int, default=None, help="moe: run this layout instead of --layouts")
+    p.add_argument("--dp", type=int, default=None, help="moe: as --tp; dense: the DP size (default 2)")
+    p.add_argument("--ep", action="store_true", help="with --tp/--dp: expert parallelism")
+    p.add_argument("--dbo", action="store_true", help="with --tp/--dp: dual-batch overlap")
     p.add_argument("--dbo-batches", type=int, nargs="*", default=None,
                    help="the batches at which the DBO layouts run (default: all)")
     p.add_argument("--fail-on-compile", action="store_true",
