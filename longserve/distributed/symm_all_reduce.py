@@ -4,10 +4,8 @@ Which size takes which: `ALGORITHMS`, measured (docs/architecture.md, 'Small col
 NVLink')."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 import warnings
 
 import torch
@@ -23,7 +21,6 @@ ALGORITHMS = {2: ((64 << 10, "one_shot"), (1 << 20, "nccl"), (8 << 20, "two_shot
 DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels dispatch on
 DISABLE = "LONGSERVE_SYMM_MEM"  # "0": NCCL for everything (A/B runs)
 _WARNED: list = []  # the failure is logged once, not once per group
-_warming: list[threading.Thread] = []  # warm_allocator's thread, joined by create()
 
 
 class SymmAllReduce:
@@ -74,19 +71,6 @@ class SymmAllReduce:
             out.copy_(ops.two_shot_all_reduce_(staged, "sum", self.name))
 
 
-def warm_allocator(device: torch.device) -> None:
-    """Start torch's symmetric-memory allocator on a thread (its first allocation takes ~2 s on
-    the H200 hosts, later ones ~1 ms) while this rank joins its process groups."""
-    def first_allocation():
-        import torch.distributed._symmetric_memory as symm_mem
-        torch.cuda.set_device(device)
-        with contextlib.suppress(Exception):  # a failure shows again, and is handled, in create()
-            symm_mem.empty(1, dtype=torch.uint8, device=device)
-    if device.type == "cuda" and os.environ.get(DISABLE) != "0":
-        _warming.append(threading.Thread(target=first_allocation, daemon=True))
-        _warming[-1].start()
-
-
 def create(device_group, device: torch.device) -> SymmAllReduce | None:
     """The group's symmetric-memory path, or None (gloo, a group size without a table row,
     LONGSERVE_SYMM_MEM=0, or a failure on any rank: logged once, NCCL then). Collective over
@@ -97,8 +81,6 @@ def create(device_group, device: torch.device) -> SymmAllReduce | None:
     table = ALGORITHMS.get(dist.get_world_size(device_group))
     if table is None:
         return None
-    while _warming:
-        _warming.pop().join()
     try:
         comm = SymmAllReduce(device_group, device, table)
     except Exception as e:  # no NVLink peer access, a torch without symmetric memory, ...

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from longserve.config import EngineConfig
-from longserve.distributed import symm_all_reduce
 from longserve.distributed.parallel_state import build_parallel_state, close_process_groups
 from longserve.distributed.shm_broadcast import ShmRingBuffer
 from longserve.stalls import freeze_after_warm_up
@@ -80,8 +79,6 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
-            if config.device == "cuda":
-                symm_all_reduce.warm_allocator(self.device)
             timeout = config.parallel.distributed_timeout_s
             where = dict(init_method=init_method)
             if init_method.startswith("tcp://"):  # spawned here; torchrun's env:// joins as is
