@@ -55,7 +55,7 @@ def rendezvous(init_method: str, rank: int, world: int, timeout_s: float,
 def limit_cpu_threads(local_ranks: int) -> None:
     """Give this rank its share of the cores this process may use, less one that the front end
     (tokenizer, detokenizer, HTTP) keeps: a thread per core would share one with it (or with any
-    other busy process), and every step's parallel regions wait for that slowest thread (2.9x
+    other busy process), and every step's parallel regions wait for that slowest thread (3.7x
     slower on 2 cores with one busy process; docs/benchmarks.md). Never raises the count, so a
     smaller torch.set_num_threads of the user's stays; OMP_NUM_THREADS set means the user chose."""
     if "OMP_NUM_THREADS" not in os.environ:

@@ -51,7 +51,7 @@ def run_api_servers(config: EngineConfig, count: int, max_waiting: int, server_k
     from longserve.engine.executor import free_port
     run_dir = tempfile.mkdtemp(prefix="longserve-serve-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = run_dir  # the API servers inherit it
-    holder = bound_socket(server_kw["host"], server_kw["port"], reuse_port=True)  # never listens: holds the port
+    holder = bound_socket(server_kw["host"], server_kw["port"], True)  # never listens: holds the port
     server_kw = dict(server_kw, port=holder.getsockname()[1])
     addresses = CoreAddresses([f"ipc://{run_dir}/in-{k}" for k in range(count)],
                               [f"ipc://{run_dir}/out-{k}" for k in range(count)],

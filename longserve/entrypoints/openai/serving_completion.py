@@ -50,7 +50,8 @@ class OpenAIServingCompletion:
         streams = queue(self.core, requests)  # no await until read_streams, which aborts what is left
         request_id, model = random_id("cmpl"), self.served_names[0]
         if req.stream:
-            return SSEResponse(self._stream(request_id, model, streams, echoes, req, shape), self.core, streams)
+            frames = self._stream(request_id, model, streams, echoes, req, shape)
+            return SSEResponse(frames, self.core, streams)
         outs = await read_all(self.core, streams)
         check_errors(outs)
         choices = [shape.choice(i, out, echoes[i // req.n], 0) for i, out in enumerate(outs)]
