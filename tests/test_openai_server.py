@@ -1,8 +1,11 @@
 """The OpenAI-compatible server, driven by the official `openai` client over a loopback port."""
 import asyncio
+import json
 import random
+import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -14,6 +17,7 @@ from longserve import LLM, SamplingParams
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.executor import free_port
 from longserve.entrypoints.openai.api_server import build_app
+from longserve.entrypoints.openai.serving_engine import SSEResponse
 
 MODEL = "builtin:llama-tiny"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -381,6 +385,41 @@ def test_a_dropped_non_streamed_request_is_aborted_within_a_second(server, path,
     finally:
         executor.execute_async = execute
     assert metric(metrics(server), "vllm:request_success_total", finished_reason="abort") == before + aborted
+
+
+@pytest.mark.timeout(60)
+def test_streams_whose_client_left_before_the_first_byte_leave_nothing_running(server):
+    executor = server.core.core.executor
+    execute = executor.execute_async
+    executor.execute_async = lambda plan: time.sleep(0.02) or execute(plan)  # 200 tokens: 4 s
+    try:
+        for path, body in [("/v1/completions", dict(prompt="Hi", n=2)),
+                           ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}]))]:
+            data = json.dumps(dict(model=MODEL, max_tokens=200, ignore_eos=True, stream=True, **body))
+            for _ in range(3):  # sent, then the connection closes at once
+                with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 f"Content-Length: {len(data)}\r\n\r\n{data}".encode())
+        assert_idle(server, timeout=1.0)
+    finally:
+        executor.execute_async = execute
+
+
+def test_an_sse_response_aborts_its_requests_also_when_it_never_started():
+    aborted = []
+
+    async def frames():
+        yield b"data: never sent\n\n"
+
+    async def gone():  # the client left before the first byte
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+    response = SSEResponse(frames(), SimpleNamespace(abort=aborted.append),
+                           [SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")])
+    asyncio.run(response({"type": "http"}, gone, send))
+    assert aborted == ["a", "b"]
 
 
 def health_latencies_while(server, send) -> tuple[list[float], object]:
