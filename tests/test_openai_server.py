@@ -1,8 +1,11 @@
 """The OpenAI-compatible server, driven by the official `openai` client over a loopback port."""
 import asyncio
+import json
 import random
+import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -14,6 +17,7 @@ from longserve import LLM, SamplingParams
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.executor import free_port
 from longserve.entrypoints.openai.api_server import build_app
+from longserve.entrypoints.openai.serving_engine import SSEResponse
 
 MODEL = "builtin:llama-tiny"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -236,7 +240,6 @@ def test_client_disconnects_mid_stream_free_their_blocks(server):
     ("/v1/completions", dict(prompt="hi", top_p=0), "top_p"),
     ("/v1/completions", dict(prompt="hi", max_tokens=0), "max_tokens"),
     ("/v1/completions", dict(prompt="hi", logprobs=21), "logprobs"),
-    ("/v1/completions", dict(prompt="hi", model="gpt-4"), "model"),
     ("/v1/completions", dict(prompt=[5] * 300), "prompt"),  # longer than max_model_len
     ("/v1/completions", dict(prompt=[5] * 200, max_tokens=100), "max_tokens"),
     ("/v1/completions", dict(prompt=[5, 99999]), "prompt"),  # outside the vocabulary
@@ -256,10 +259,22 @@ def test_bad_request_gets_400_naming_the_field_and_the_next_succeeds(server, pat
 
 
 @pytest.mark.timeout(60)
-def test_bad_json_and_the_openai_client_error(server, client):
-    resp = httpx.post(f"{server.url}/v1/completions", content=b"{not json",
-                      headers={"content-type": "application/json"})
-    assert resp.status_code == 400 and "error" in resp.json()
+def test_errors_name_the_field_or_the_position_in_words(server, client):
+    def error(status, path="/v1/completions", headers={"content-type": "application/json"}, **kw):
+        resp = httpx.post(f"{server.url}{path}", headers=headers, **kw)
+        assert resp.status_code == status, resp.text
+        return resp.json()["error"]
+    err = error(400, content=b'{"model": "x",\n "prompt": nope}')
+    assert err["message"] == "invalid JSON at line 2 column 12: Expecting value" and err["param"] is None
+    err = error(415, content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert "application/json" in err["message"] and "text/plain" in err["message"]
+    err = error(404, json=dict(model="gpt-4", prompt="hi"))
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-4" in err["message"]
+    err = error(400, "/v1/chat/completions", json=dict(messages=[{"role": "user", "content": "a"},
+                                                                 {"role": "wizard", "content": "b"}]))
+    assert err["param"] == "messages[1].role" and "'assistant'" in err["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="hi")
     with pytest.raises(openai.BadRequestError, match="best_of must be 1"):
         client.completions.create(model=MODEL, prompt="hi", best_of=3)
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -341,3 +356,105 @@ def test_503_while_loading_and_after_a_fatal_engine_error():
     finally:
         release.set()
         srv.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path, body, aborted", [
+    ("/v1/completions", dict(prompt="Once upon a time"), 1),
+    ("/v1/completions", dict(prompt=["Hello", "Bye"], n=2), 4),  # every choice of every prompt
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}]), 1),
+])
+def test_a_dropped_non_streamed_request_is_aborted_within_a_second(server, path, body, aborted):
+    before = metric(metrics(server), "vllm:request_success_total", finished_reason="abort")
+    executor = server.core.core.executor
+    execute = executor.execute_async
+    executor.execute_async = lambda plan: time.sleep(0.02) or execute(plan)  # 200 tokens: 4 s
+
+    async def drop() -> float:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            sent = asyncio.create_task(http.post(path, json=dict(model=MODEL, max_tokens=200,
+                                                                 ignore_eos=True, **body)))
+            while metric(metrics(server), "vllm:num_requests_running") == 0:
+                await asyncio.sleep(0.02)
+            sent.cancel()  # the client gives up: its connection closes
+            return time.monotonic()
+    try:
+        dropped = asyncio.run(drop())
+        assert_idle(server, timeout=1.0)  # running 0, KV usage 0 in /metrics; every block free
+        assert time.monotonic() - dropped < 1.5
+    finally:
+        executor.execute_async = execute
+    assert metric(metrics(server), "vllm:request_success_total", finished_reason="abort") == before + aborted
+
+
+@pytest.mark.timeout(60)
+def test_streams_whose_client_left_before_the_first_byte_leave_nothing_running(server):
+    executor = server.core.core.executor
+    execute = executor.execute_async
+    executor.execute_async = lambda plan: time.sleep(0.02) or execute(plan)  # 200 tokens: 4 s
+    try:
+        for path, body in [("/v1/completions", dict(prompt="Hi", n=2)),
+                           ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hi"}]))]:
+            data = json.dumps(dict(model=MODEL, max_tokens=200, ignore_eos=True, stream=True, **body))
+            for _ in range(3):  # sent, then the connection closes at once
+                with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 f"Content-Length: {len(data)}\r\n\r\n{data}".encode())
+        assert_idle(server, timeout=1.0)
+    finally:
+        executor.execute_async = execute
+
+
+def test_an_sse_response_aborts_its_requests_also_when_it_never_started():
+    aborted = []
+
+    async def frames():
+        yield b"data: never sent\n\n"
+
+    async def gone():  # the client left before the first byte
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+    response = SSEResponse(frames(), SimpleNamespace(abort=aborted.append),
+                           [SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")])
+    asyncio.run(response({"type": "http"}, gone, send))
+    assert aborted == ["a", "b"]
+
+
+def health_latencies_while(server, send) -> tuple[list[float], object]:
+    """/health's latencies (s) while `send()` runs on a thread; and what it returned."""
+    out, latencies = [], []
+    sender = threading.Thread(target=lambda: out.append(send()))
+    sender.start()
+    while sender.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        latencies.append(time.perf_counter() - t0)
+    sender.join()
+    return latencies, out[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_10mb_body_gets_413_before_it_is_read_and_health_answers_meanwhile(server):
+    body = b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"a" * (10 << 20))
+
+    def chunks():  # no Content-Length: the bytes read are counted
+        for i in range(0, len(body), 1 << 20):
+            yield body[i:i + (1 << 20)]
+    for content in (body, chunks()):
+        latencies, resp = health_latencies_while(server, lambda: httpx.post(
+            f"{server.url}/v1/completions", content=content, timeout=30,
+            headers={"content-type": "application/json"}))
+        assert resp.status_code == 413 and "--max-request-body-mb (8 MB)" in resp.json()["error"]["message"]
+        assert max(latencies, default=0) < 1.0  # ~ms on an idle machine (the target: 100 ms)
+    assert_idle(server)
+
+
+@pytest.mark.timeout(60)
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    prompt = "hello world " * 150_000  # 1.8 MB, ~1 s of tokenizing: then refused (too long)
+    latencies, resp = health_latencies_while(server, lambda: httpx.post(
+        f"{server.url}/v1/completions", json=dict(model=MODEL, prompt=prompt), timeout=60))
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    assert len(latencies) > 3 and max(latencies) < 1.0

@@ -74,7 +74,9 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model.path!r} has no tokenizer (tokenizer.json); "
                              "pass {'prompt_token_ids': [...]} instead of text")
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+        # the _batch calls let go of the GIL while they work: a long prompt tokenized on a
+        # server's thread leaves its event loop running (encode holds it throughout)
+        return self.tokenizer.encode_batch([prompt], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> dict:
@@ -86,7 +88,7 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return "" if self.tokenizer is None else self.tokenizer.decode_batch([token_ids])[0]
 
     # ---- the door ---------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams,

@@ -57,6 +57,41 @@ def cmd_generate(args) -> None:
     llm.shutdown()
 
 
+def cmd_chat(args) -> None:
+    """`longserve chat`: a conversation, one answer per line of stdin with the history kept
+    (on a terminal streamed as it comes, piped one JSON line each), until EOF; with --prompt or
+    --prompt-file, generate --chat."""
+    if args.prompt or args.prompt_file:
+        return cmd_generate(args)
+    llm, params, history, tty = make_llm(args), sampling_from_args(args), [], sys.stdin.isatty()
+    try:
+        for line in iter(lambda: _read_line(tty), None):
+            history.append({"role": "user", "content": line})
+            request = llm.engine.make_request(llm.engine.encode_chat(history), params)
+            answer = ""
+            for out in llm.engine.add_request(request):
+                answer += out.text
+                print(out.text if tty else "", end="", flush=True)
+            print("" if tty else json.dumps({"prompt": line, "text": answer,
+                                             "finish_reason": out.finish_reason}), flush=True)
+            history.append({"role": "assistant", "content": answer})
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    finally:
+        llm.shutdown()
+
+
+def _read_line(tty: bool) -> str | None:
+    """The next non-empty line of stdin, None at EOF."""
+    while True:
+        try:
+            line = input("> " if tty else "").strip()
+        except EOFError:
+            return None
+        if line:
+            return line
+
+
 def cmd_bench(args) -> None:
     from longserve import SamplingParams
     llm = make_llm(args)
@@ -91,7 +126,7 @@ def cmd_serve(args) -> None:
     import logging
 
     from longserve.engine.llm_engine import LLMEngine
-    from longserve.entrypoints.openai.api_server import run_server
+    from longserve.entrypoints.openai.api_servers import bound_socket, run_api_servers
     args.model = args.model_tag or args.model
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.headless:
@@ -100,14 +135,16 @@ def cmd_serve(args) -> None:
     server_kw = dict(served_names=args.served_model_name or [args.model], host=args.host, port=args.port,
                      api_key=args.api_key, chat_template=args.chat_template,
                      shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level,
-                     log_requests=args.enable_log_requests)
+                     log_requests=args.enable_log_requests, max_request_body_mb=args.max_request_body_mb)
     count = args.api_server_count or (1 if args.data_parallel_rpc_port else args.data_parallel_size)
     if count > 1:
         if args.data_parallel_rpc_port:
             raise ValueError("--api-server-count > 1 does not work with --data-parallel-rpc-port yet")
-        from longserve.entrypoints.openai.api_servers import run_api_servers
         sys.exit(run_api_servers(engine_config(args), count, args.max_waiting, server_kw))
-    sys.exit(run_server(lambda: LLMEngine(engine_config(args), max_waiting=args.max_waiting), **server_kw))
+    sock = bound_socket(args.host, args.port)  # a taken port fails here, before any model loads
+    from longserve.entrypoints.openai.api_server import run_server
+    sys.exit(run_server(lambda: LLMEngine(engine_config(args), max_waiting=args.max_waiting), sock=sock,
+                        **server_kw))
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +159,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests waiting to run before new ones get 503")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests may drain after Ctrl-C / SIGTERM")
+                   help="seconds the server may take to stop after Ctrl-C / SIGTERM: requests in "
+                        "flight drain until a second before it, then end with an error")
+    p.add_argument("--max-request-body-mb", type=float, default=8.0,
+                   help="a larger request body gets 413 before it is read")
     p.add_argument("--uvicorn-log-level", default="info")
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log one INFO line per request (id, prompt tokens, sampling params)")
@@ -152,11 +192,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="longserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, doc in (("generate", "generate text for prompts"),
-                      ("chat", "generate --chat: each prompt is a user message")):
+                      ("chat", "a conversation on stdin (a terminal or a pipe); --prompt: generate --chat")):
         gen = sub.add_parser(name, help=doc)
         EngineArgs.add_cli_args(gen)
         add_generate_args(gen)
-        gen.set_defaults(func=cmd_generate, chat=name == "chat")
+        gen.set_defaults(func=cmd_chat if name == "chat" else cmd_generate, chat=name == "chat")
     bench = sub.add_parser("bench", help="offline throughput and time to first token")
     EngineArgs.add_cli_args(bench)
     bench.add_argument("--input-len", type=int, default=128)

@@ -3,13 +3,15 @@
 The engine loads on a thread after the port is open, then one streamed completion and one
 streamed chat warm the path every request takes (tokenizer, chat template, detokenizer, SSE);
 until then (and after a fatal engine error) /health and /v1/* answer 503. Shutdown (Ctrl-C,
-SIGTERM): uvicorn stops accepting and lets in-flight requests drain for --shutdown-timeout
-seconds, then the core aborts what is left and stops the workers. With several API servers
+SIGTERM): uvicorn stops accepting and lets in-flight requests drain until a second before
+--shutdown-timeout; what is left then ends with an error, and the cores stop. A client that
+goes away aborts its requests, streamed or not. With several API servers
 (entrypoints/openai/api_servers.py) this is one of them; `siblings` says whether the others
 are up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -22,8 +24,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+import torch
+
 import longserve
+from longserve.engine.core_client import InprocClient
 from longserve.engine.llm_engine import LLMEngine
+from longserve.engine.output_processor import EngineDeadError
 from longserve.stalls import freeze_after_warm_up, watch_loop_lag
 from longserve.entrypoints.openai.metrics import make_registry
 from longserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage,
@@ -60,7 +66,7 @@ def error_response(e: OpenAIError) -> JSONResponse:
 
 def build_app(load_core: Callable[[], LLMEngine], served_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, on_load_error: Callable[[], None] | None = None,
-              log_requests: bool = False, siblings=None) -> FastAPI:
+              log_requests: bool = False, siblings=None, max_request_body_mb: float = 8.0) -> FastAPI:
     """`load_core` builds the engine core (on a thread, after the server starts listening)."""
     state = ServerState(served_names, api_key, chat_template, log_requests=log_requests,
                         siblings=siblings)
@@ -77,6 +83,7 @@ def build_app(load_core: Callable[[], LLMEngine], served_names: list[str], api_k
             await asyncio.to_thread(state.core.shutdown)
 
     app = FastAPI(title="LongServe", lifespan=lifespan)
+    app.add_middleware(body_limit, max_bytes=int(max_request_body_mb * 2**20))
     app.state.longserve = state
     _add_error_handlers(app)
     _add_routes(app, state)
@@ -86,6 +93,8 @@ def build_app(load_core: Callable[[], LLMEngine], served_names: list[str], api_k
 async def _load(state: ServerState, load_core, on_load_error) -> None:
     try:
         core = await asyncio.to_thread(load_core)
+        if not isinstance(core.client, InprocClient):  # the cores compute in processes of their own
+            torch.set_num_threads(1)
         state.completion = OpenAIServingCompletion(core, state.served_names)
         state.chat = OpenAIServingChat(core, state.served_names, state.chat_template)
         state.tokenization = OpenAIServingTokenization(state.chat, state.served_names)
@@ -137,22 +146,60 @@ def banner(info: dict) -> list[str]:
             + ("none" if graphs is None else f"{graphs:.2f} s"), f"engine {info['startup']}"]
 
 
+def body_limit(app, max_bytes: int):
+    """ASGI middleware: a 413 for a request body over max_bytes before it is read whole: by its
+    Content-Length before any byte, else (chunked) once the bytes read pass the limit."""
+    message = f"the request body is larger than --max-request-body-mb ({max_bytes / 2**20:g} MB)"
+
+    async def limited(scope, receive, send):
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            event = await receive()
+            seen += len(event.get("body", b""))
+            if seen > max_bytes:
+                raise HTTPException(413, message)  # answered by http_error below
+            return event
+        length = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if length.isdigit() and int(length) > max_bytes:
+            return await error_response(OpenAIError(message, 413))(scope, receive, send)
+        await app(scope, counted, send)
+    return limited
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_, e: OpenAIError):
         return error_response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return error_response(OpenAIError(f"{param or 'request'}: {err.get('msg')}", param=param))
+    async def validation_error(request: Request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {"type": "", "loc": (), "msg": "invalid request"}
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if not (kind == "application/json" or kind.endswith("+json")):  # FastAPI read no JSON
+            return error_response(OpenAIError(f"the body must be JSON with Content-Type: application/json "
+                                              f"(got {kind or 'no Content-Type'})", 415))
+        if err["type"] == "json_invalid":  # loc: ("body", position)
+            text, at = e.body, err["loc"][-1]
+            line, column = text.count("\n", 0, at) + 1, at - text.rfind("\n", 0, at)
+            return error_response(OpenAIError(f"invalid JSON at line {line} column {column}: "
+                                              f"{err['ctx']['error']}"))
+        param = field_path(err["loc"])
+        return error_response(OpenAIError(f"{param or 'request'}: {err['msg']}", param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):
         return error_response(OpenAIError(str(e.detail), e.status_code,
                                           "not_found_error" if e.status_code == 404 else "invalid_request_error"))
+
+
+def field_path(loc: tuple) -> str | None:
+    """A pydantic error's location in words: ("body", "messages", 0, "role") -> messages[0].role."""
+    path = ""
+    for x in loc[1:] if loc[:1] == ("body",) else loc:
+        path += f"[{x}]" if isinstance(x, int) else f".{x}" if path else x
+    return path or None
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -196,12 +243,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in state.served_names])
 
     @app.post("/v1/completions", dependencies=v1)
-    async def completions(body: CompletionRequest):
-        return await state.completion.create_completion(body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await unless_disconnected(request, state.completion.create_completion(body))
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat_completions(body: ChatCompletionRequest):
-        return await state.chat.create_chat_completion(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await unless_disconnected(request, state.chat.create_chat_completion(body))
 
     @app.get("/version")
     async def version():
@@ -209,17 +256,37 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
-        return state.tokenization.tokenize(body)
+        return await asyncio.to_thread(state.tokenization.tokenize, body)  # off the event loop
 
     @app.post("/detokenize", dependencies=v1)
     async def detokenize(body: DetokenizeRequest):
-        return state.tokenization.detokenize(body)
+        return await asyncio.to_thread(state.tokenization.detokenize, body)
+
+
+async def unless_disconnected(request: Request, work):
+    """A route's work, cancelled when the client goes away first: a non-streamed request is then
+    aborted (serving_engine.read_streams), its KV blocks freed at once."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()  # a no-op once it is done
+    with contextlib.suppress(asyncio.CancelledError):
+        return await task
+    return Response(status_code=499)  # nobody reads it
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":  # the body is read already
+        pass
 
 
 def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host: str = "127.0.0.1",
                port: int = 8000, api_key: str | None = None, chat_template: str | None = None,
                shutdown_timeout: float = 10.0, log_level: str = "info", log_requests: bool = False,
-               sock=None, siblings=None) -> int:
+               sock=None, siblings=None, max_request_body_mb: float = 8.0) -> int:
     """Serve until Ctrl-C / SIGTERM (on `sock` if given: a socket bound to the port);
     returns the exit status (1 if the engine failed to start)."""
     import uvicorn
@@ -228,8 +295,26 @@ def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host
         server.should_exit = True
 
     app = build_app(load_core, served_names, api_key, chat_template, on_load_error=stop,
-                    log_requests=log_requests, siblings=siblings)
+                    log_requests=log_requests, siblings=siblings, max_request_body_mb=max_request_body_mb)
+    # uvicorn's own deadline is a backstop: at the drain's end the requests left get an error
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=shutdown_timeout))
-    server.run(sockets=None if sock is None else [sock])
+                                           timeout_graceful_shutdown=shutdown_timeout + 5))
+    drain = server.shutdown
+
+    async def shutdown(sockets=None):  # Ctrl-C / SIGTERM: uvicorn drains the requests in flight
+        asyncio.get_running_loop().call_later(max(shutdown_timeout - 1, 0), abort_in_flight,
+                                              app.state.longserve)
+        await drain(sockets)
+    server.shutdown = shutdown
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises again the Ctrl-C it handled
+        server.run(sockets=None if sock is None else [sock])
     return 1 if app.state.longserve.load_error else 0
+
+
+def abort_in_flight(state: ServerState) -> None:
+    """The end of the drain (a second before --shutdown-timeout, which leaves the engine time to
+    stop): what still runs ends with an error (an SSE error event, a 503)."""
+    if state.core is not None and state.core.output.num_unfinished:
+        logger.warning("shutting down: %d requests still in flight were aborted",
+                       state.core.output.num_unfinished)
+        state.core.output.fail(EngineDeadError("the server is shutting down"))

@@ -31,12 +31,18 @@ from longserve.engine.core_proc import CoreAddresses
 logger = logging.getLogger("longserve.server")
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port that other processes may bind as well."""
+def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to host:port (with reuse_port, other processes may bind it as well),
+    bound before any model loads: a taken port is a clear error at once."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, reuse_port)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror} (is another server running "
+                           "there? choose another --port)") from None
     return sock
 
 
@@ -45,7 +51,7 @@ def run_api_servers(config: EngineConfig, count: int, max_waiting: int, server_k
     from longserve.engine.executor import free_port
     run_dir = tempfile.mkdtemp(prefix="longserve-serve-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = run_dir  # the API servers inherit it
-    holder = reuseport_socket(server_kw["host"], server_kw["port"])  # never listens: holds the port
+    holder = bound_socket(server_kw["host"], server_kw["port"], True)  # never listens: holds the port
     server_kw = dict(server_kw, port=holder.getsockname()[1])
     addresses = CoreAddresses([f"ipc://{run_dir}/in-{k}" for k in range(count)],
                               [f"ipc://{run_dir}/out-{k}" for k in range(count)],
@@ -103,7 +109,7 @@ def api_server_main(index: int, config: EngineConfig, front_end: FrontEnd, max_w
     from longserve.worker.worker import exit_with_parent
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s api-server-{index} %(name)s: %(message)s")
     exit_with_parent()
-    sock = reuseport_socket(server_kw["host"], server_kw["port"])
+    sock = bound_socket(server_kw["host"], server_kw["port"], reuse_port=True)
     return run_server(lambda: LLMEngine(config, max_waiting, front_end), sock=sock,
                       siblings=Siblings(run_dir, index, pids), **server_kw)
 

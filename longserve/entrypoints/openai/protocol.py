@@ -119,7 +119,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # OpenAI's (chat templates know them)
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

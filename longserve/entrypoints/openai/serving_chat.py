@@ -1,19 +1,19 @@
 """POST /v1/chat/completions: messages rendered by the model's chat template, then one completion."""
 from __future__ import annotations
 
+import asyncio
 import os
 from contextlib import aclosing
-
-from starlette.responses import StreamingResponse
 
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.output_processor import StreamOutput
 from longserve.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, random_id
-from longserve.entrypoints.openai.serving_engine import (DONE, Frames, TokenNames, check_errors,
-                                                         check_model, json_response,
-                                                         kv_transfer_params, read_all, read_streams,
-                                                         response_body, sampling_params, sse_error,
-                                                         submit, usage, vllm_prompt_logprobs)
+from longserve.entrypoints.openai.serving_engine import (DONE, Frames, SSEResponse, TokenNames,
+                                                         check_errors, check_model, json_response,
+                                                         kv_transfer_params, make_requests, queue,
+                                                         read_all, read_streams, response_body,
+                                                         sampling_params, sse_error, usage,
+                                                         vllm_prompt_logprobs)
 
 
 def message_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -55,12 +55,13 @@ class OpenAIServingChat:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = await sampling_params(req, max_tokens, logprobs, self.core, req.prompt_logprobs)
-        [(_, stream)] = submit(self.core, [self.render(req)], params, "messages")
+        requests = await asyncio.to_thread(  # a long conversation's tokens: off the event loop
+            lambda: make_requests(self.core, [self.render(req)], params, "messages"))
+        [stream] = queue(self.core, requests)  # no await until read_streams, which aborts what is left
         request_id, model = random_id("chatcmpl"), self.served_names[0]
         name = self.names.namer(req.return_tokens_as_token_ids)
         if req.stream:
-            return StreamingResponse(self._stream(request_id, model, stream, req, name),
-                                     media_type="text/event-stream")
+            return SSEResponse(self._stream(request_id, model, stream, req, name), self.core, [stream])
         outs = await read_all(self.core, [stream])
         check_errors(outs)
         choices = [dict(index=i, message=dict(role="assistant", content=out.text),

@@ -1,20 +1,20 @@
 """POST /v1/completions: prompts (text or token ids, one or many) in, completions out, or SSE."""
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Callable
 
-from starlette.responses import StreamingResponse
-
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.output_processor import StreamOutput
 from longserve.entrypoints.openai.protocol import CompletionRequest, OpenAIError, random_id
-from longserve.entrypoints.openai.serving_engine import (DONE, Frames, TokenNames, check_errors,
-                                                         check_model, json_response,
-                                                         kv_transfer_params, read_all, read_streams,
-                                                         response_body, sampling_params, sse_error,
-                                                         submit, usage, vllm_prompt_logprobs)
+from longserve.entrypoints.openai.serving_engine import (DONE, Frames, SSEResponse, TokenNames,
+                                                         check_errors, check_model, json_response,
+                                                         kv_transfer_params, make_requests, queue,
+                                                         read_all, read_streams, response_body,
+                                                         sampling_params, sse_error, usage,
+                                                         vllm_prompt_logprobs)
 
 
 def normalize_prompts(prompt) -> list:
@@ -43,26 +43,28 @@ class OpenAIServingCompletion:
         if prompt_k is not None and req.n > 1:
             raise OpenAIError("prompt scoring (echo with logprobs, prompt_logprobs) needs n=1", param="n")
         params = await sampling_params(req, req.max_tokens, req.logprobs, self.core, prompt_k)
-        submitted = submit(self.core, normalize_prompts(req.prompt), params, "prompt")
-        # per prompt: (the echoed text, the prompt ids whose logprobs lead the choice's)
-        echoes = [(self._echo(r) if req.echo else "", r.prompt_token_ids if scored else None)
-                  for r, _ in submitted]
+        requests, echoes = await asyncio.to_thread(self._requests, normalize_prompts(req.prompt),
+                                                   params, req.echo, scored)
         shape = _Shape(self.names.namer(req.return_tokens_as_token_ids), req.return_token_ids,
                        prompt_k if req.prompt_logprobs is not None else None)
-        streams = [s for _, s in submitted]
+        streams = queue(self.core, requests)  # no await until read_streams, which aborts what is left
         request_id, model = random_id("cmpl"), self.served_names[0]
         if req.stream:
-            body = self._stream(request_id, model, streams, echoes, req, shape)
-            return StreamingResponse(body, media_type="text/event-stream")
+            frames = self._stream(request_id, model, streams, echoes, req, shape)
+            return SSEResponse(frames, self.core, streams)
         outs = await read_all(self.core, streams)
         check_errors(outs)
         choices = [shape.choice(i, out, echoes[i // req.n], 0) for i, out in enumerate(outs)]
         return json_response(response_body(request_id, "text_completion", model, choices, usage=usage(outs),
                                            kv_transfer_params=kv_transfer_params(outs)))
 
-    def _echo(self, request) -> str:
-        return request.prompt if request.prompt is not None else \
-            self.core.decode(request.prompt_token_ids)
+    def _requests(self, prompts: list, params, echo: bool, scored: bool) -> tuple[list, list]:
+        """(validated requests, per prompt: (the echoed text, the prompt ids whose logprobs lead
+        the choice's)); on a thread, as a long prompt's (de)tokenization takes a while."""
+        requests = make_requests(self.core, prompts, params, "prompt")
+        return requests, [("" if not echo else r.prompt if r.prompt is not None else
+                           self.core.decode(r.prompt_token_ids), r.prompt_token_ids if scored else None)
+                          for r in requests]
 
     async def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, shape):
         outs: dict[int, StreamOutput] = {}

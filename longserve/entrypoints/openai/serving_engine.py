@@ -11,7 +11,7 @@ from contextlib import aclosing
 from functools import lru_cache
 
 import msgspec
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.messages import EngineCoreRequest
@@ -31,7 +31,7 @@ def _param_of(message: str) -> str | None:
 def check_model(requested: str | None, served: list[str]) -> None:
     if requested is not None and requested not in served:
         raise OpenAIError(f"the model {requested!r} does not exist; this server serves {served[0]!r}",
-                          param="model", code="model_not_found")
+                          404, param="model", code="model_not_found")
 
 
 def check_fields(req: SamplingFields) -> None:
@@ -104,8 +104,8 @@ def structured_outputs(req: SamplingFields) -> tuple[dict | None, str | None]:
     return next(iter(asked.values()), None), next(iter(asked), None)
 
 
-def submit(core: LLMEngine, prompts: list, params: SamplingParams, param: str) -> list:
-    """Validate every prompt first, then queue them all; returns (request, stream) pairs."""
+def make_requests(core: LLMEngine, prompts: list, params: SamplingParams, param: str) -> list:
+    """Validate every prompt before any is queued."""
     requests: list[EngineCoreRequest] = []
     for prompt in prompts:
         try:
@@ -119,6 +119,12 @@ def submit(core: LLMEngine, prompts: list, params: SamplingParams, param: str) -
                               f"asks for {req.num_prompt_tokens + params.max_tokens} ({req.num_prompt_tokens}"
                               f" in the prompt, {params.max_tokens} to generate): lower max_tokens",
                               param="max_tokens")
+    return requests
+
+
+def queue(core: LLMEngine, requests: list[EngineCoreRequest]) -> list:
+    """Queue validated requests (make_requests, on a thread: a long prompt's tokens never hold up
+    the event loop, so other requests' bytes and /health); their streams."""
     loop, streams = asyncio.get_running_loop(), []
     try:
         for req in requests:
@@ -127,7 +133,7 @@ def submit(core: LLMEngine, prompts: list, params: SamplingParams, param: str) -
         for s in streams:
             core.abort(s.request_id)
         raise unavailable(e) from None
-    return list(zip(requests, streams))
+    return streams
 
 
 def unavailable(e: Exception) -> OpenAIError:
@@ -241,6 +247,22 @@ def response_body(request_id: str, kind: str, model: str, choices: list, **field
 
 def json_response(body: dict) -> Response:
     return Response(encode(body), media_type="application/json")
+
+
+class SSEResponse(StreamingResponse):
+    """SSE frames whose requests are aborted however the response ends, also when the client
+    went away before its first byte (the frames' generator never started)."""
+
+    def __init__(self, frames, core: LLMEngine, streams: list):
+        super().__init__(frames, media_type="text/event-stream")
+        self.core, self.streams = core, streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self.streams:
+                self.core.abort(s.request_id)
 
 
 class Frames:

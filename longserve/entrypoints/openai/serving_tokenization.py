@@ -31,4 +31,4 @@ class OpenAIServingTokenization:
             self.core.check_prompt(body.tokens)  # in the vocabulary
         except ValueError as e:
             raise OpenAIError(str(e), param="tokens") from None
-        return {"prompt": self.core.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": self.core.tokenizer.decode_batch([body.tokens], skip_special_tokens=False)[0]}
