@@ -486,12 +486,22 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
                     paged_attention_lse, torch.zeros(T, num_heads, D, dtype=dtype, device=dev),
                     k_cache, v_cache, torch.zeros(R, 1, **ints), torch.arange(0, T + 1, mql, **ints),
                     torch.ones(R, **ints), 1.0, mql, splits, kv_scale))
-    o, lse = torch.zeros(1, num_heads, D, dtype=dtype, device=dev), torch.zeros(1, num_heads, device=dev)
-    for out_lse in (None, lse.clone()):  # a prefix-cache hit's merge; a segment's (with its LSE)
-        calls.append(functools.partial(merge_attn_states_triton, torch.empty_like(o), o, lse, o,
-                                       lse, out_lse))
+    calls += merge_variants(num_heads, D, dtype, dev)
     run_in_threads(calls, dev)
     return len(seen) + 2
+
+
+def merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device) -> list:
+    """The two merges of prefill (a prefix-cache hit's; a segment's, with its LSE), one call
+    each: under CP the first chunk with a prefix compiled them (a pcp=2 run, 2 x H200)."""
+    o = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    lse = torch.zeros(1, num_heads, device=device)
+    return [functools.partial(merge_attn_states_triton, torch.empty_like(o), o, lse, o, lse, out_lse)
+            for out_lse in (None, lse.clone())]
+
+
+def compile_merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+    run_in_threads(merge_variants(num_heads, head_dim, dtype, device), device)
 
 
 def run_in_threads(calls: list, device: torch.device) -> None:
