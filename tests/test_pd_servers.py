@@ -137,8 +137,8 @@ def test_readme_pcp2_producer_tp2_consumer_proxy_match_colocated_tp2(tmp_path):
     with LLM(MODEL, device="cpu", max_model_len=256, tensor_parallel_size=2) as tp2:
         want_text = tp2.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=body["max_tokens"]),
                                  use_tqdm=False)[0].outputs[0].text
-        want = tp2.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].token_ids
+        want = tp2.generate([{"prompt_token_ids": PROMPT}], SamplingParams(
+            temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
     ports = {p: str(free_port()) for p in ("8000", "8100", "8200")}
     script = re.sub(r"\b(8000|8100|8200)\b", lambda m: ports[m.group(1)], recipe)
     cli = f'longserve() {{ "{sys.executable}" -m longserve.entrypoints.cli "$@"; }}\n'
