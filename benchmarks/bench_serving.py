@@ -17,6 +17,14 @@ server, e.g. on one GPU:
 and at tiny sizes on CPU:
   python benchmarks/bench_serving.py --num-prompts 16 --input-len 32 --output-len 16 \
       --rates 2,inf -- --model builtin:llama-tiny --device cpu --max-model-len 256
+
+`--workload mixed`: long and short prompts in one Poisson stream (by default 16 x 32K and
+256 x 1K, shuffled by the run's seed: every layout gets the same requests at the same times),
+TTFT / ITL / output tokens/s of each class as well; no offline run. With `--url` it drives any
+endpoint, e.g. `longserve proxy` in front of a disaggregated pair (docs/benchmarks.md has the
+four-GPU recipe); the flags after `--` then only name the model:
+  python benchmarks/bench_serving.py --workload mixed --long-num 2 --long-len 256 --short-num 16 \
+      --short-len 32 --output-len 16 --rates 4 --url http://127.0.0.1:8000 -- --model builtin:llama-tiny
 """
 from __future__ import annotations
 
@@ -41,6 +49,19 @@ from longserve.entrypoints.cli import make_llm
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(100, min(vocab, 10 ** 9) - 100, (n, length)).tolist()
+
+
+def workload(args, vocab: int, seed: int) -> tuple[list[list[int]], list[str]]:
+    """One run's prompts and each one's class. uniform: num-prompts x input-len ("all");
+    mixed: long-num x long-len ("long") and short-num x short-len ("short") in a seeded order,
+    the same for every layout given the same seed."""
+    if args.workload == "uniform":
+        return random_prompts(vocab, args.num_prompts, args.input_len, seed), ["all"] * args.num_prompts
+    prompts = (random_prompts(vocab, args.long_num, args.long_len, seed)
+               + random_prompts(vocab, args.short_num, args.short_len, seed + 1000))
+    labels = ["long"] * args.long_num + ["short"] * args.short_num
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    return [prompts[i] for i in order], [labels[i] for i in order]
 
 
 def vocab_size(engine_args) -> int:
@@ -207,11 +228,23 @@ class Clients:
         self.pool.terminate()
 
 
+def latency(res: list[dict], span: float) -> dict:
+    """These requests' output tokens per second of the run (`span`), TTFT and ITL p50 / p99."""
+    ttft = np.array([r["ttft"] for r in res])
+    itl = np.array([x for r in res for x in r["itl"]] or [0.0])
+    ms = lambda a, q: round(1e3 * float(np.percentile(a, q)), 2)  # noqa: E731
+    return dict(out_tok_s=round(sum(r["tokens"] for r in res) / span, 1),
+                ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(itl, 50),
+                itl_p99_ms=ms(itl, 99))
+
+
 def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, seed: int,
-             clients: Clients | None = None, server_pid: int | None = None) -> dict:
+             clients: Clients | None = None, server_pid: int | None = None,
+             labels: list[str] | None = None) -> dict:
     """clients: send from those processes (every k-th request each, on one clock), so parsing
     the SSE stream is not one core's; else from this one. server_pid: also the front end's CPU
-    time per output token (API servers, not cores)."""
+    time per output token (API servers, not cores). labels: each request's class; with two or
+    more, the latencies of each class as well."""
     cpu0 = front_end_cpu_s(server_pid)
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
@@ -221,34 +254,33 @@ def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, 
     else:
         res = clients.run(url, model, prompts, max_tokens, delays)
     assert all(r["tokens"] == max_tokens for r in res), "a request came back short"
-    span = max(r["done"] for r in res) - min(r["sent"] for r in res)
-    ttft = np.array([r["ttft"] for r in res])
-    itl = np.array([x for r in res for x in r["itl"]] or [0.0])
-    ms = lambda a, q: round(1e3 * float(np.percentile(a, q)), 2)  # noqa: E731
     t_first = min(r["sent"] for r in res)
+    span = max(r["done"] for r in res) - t_first
+    ttft = np.array([r["ttft"] for r in res])
     slowest = [dict(index=int(i), sent_s=round(res[i]["sent"] - t_first, 2), ttft_ms=round(1e3 * ttft[i], 1))
                for i in np.argsort(-ttft)[:4]]  # where a TTFT tail comes from
     n_out = sum(r["tokens"] for r in res)
     done = np.array([r["done"] - t_first for r in res])  # a tail of late finishers: imbalance
-    return dict(rate=rate, duration_s=round(span, 3), req_s=round(len(res) / span, 3),
-                done_s_p10_p50_p90_max=[round(float(np.percentile(done, q)), 3) for q in (10, 50, 90, 100)],
-                out_tok_s=round(n_out / span, 1),
-                front_end_cpu_us_per_token=round(1e6 * (front_end_cpu_s(server_pid) - cpu0) / n_out, 1),
-                ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99), itl_p50_ms=ms(itl, 50),
-                itl_p99_ms=ms(itl, 99), slowest=slowest)
+    row = dict(rate=rate, duration_s=round(span, 3), req_s=round(len(res) / span, 3),
+               done_s_p10_p50_p90_max=[round(float(np.percentile(done, q)), 3) for q in (10, 50, 90, 100)],
+               front_end_cpu_us_per_token=round(1e6 * (front_end_cpu_s(server_pid) - cpu0) / n_out, 1),
+               **latency(res, span), slowest=slowest)
+    if labels and len(set(labels)) > 1:
+        row["classes"] = {c: dict(n=labels.count(c), **latency([r for r, k in zip(res, labels) if k == c], span))
+                          for c in sorted(set(labels))}
+    return row
 
 
 def sweep(args, model: str, vocab: int, url: str, server_pid: int | None = None) -> list[dict]:
-    n = args.num_prompts
     clients = Clients(args.client_procs) if args.client_procs > 1 else None
     try:
         if not args.no_warm_up:
-            warm = random_prompts(vocab, n, args.input_len, 7)  # the same batch shapes as the timed runs
+            warm, _ = workload(args, vocab, 7)  # the same batch shapes as the timed runs
             run_rate(url, model, warm, 8, float("inf"), 0, clients)
         rows = []
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
-            prompts = random_prompts(vocab, n, args.input_len, 100 + i)  # no prefix-cache hits
-            rows.append(run_rate(url, model, prompts, args.output_len, rate, i, clients, server_pid))
+            prompts, labels = workload(args, vocab, 100 + i)  # no prefix-cache hits
+            rows.append(run_rate(url, model, prompts, args.output_len, rate, i, clients, server_pid, labels))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         if clients is not None:
@@ -264,6 +296,13 @@ def report(result: dict, out: str) -> None:
     for r in rows:
         print(f"| {r['rate']} | {r['req_s']} | {r['out_tok_s']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | "
               f"{r['itl_p50_ms']} / {r['itl_p99_ms']} |")
+    if any("classes" in r for r in rows):
+        print("\n| request rate (req/s) | class | requests | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            for name, c in r.get("classes", {}).items():
+                print(f"| {r['rate']} | {name} | {c['n']} | {c['out_tok_s']} | {c['ttft_p50_ms']} / "
+                      f"{c['ttft_p99_ms']} | {c['itl_p50_ms']} / {c['itl_p99_ms']} |")
     if off:
         print(f"| offline LLM.generate (engine-core process) | | {off['out_tok_s']} | | decode step at "
               f"batch 1: {off['decode_step_ms']} |")
@@ -309,6 +348,13 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--workload", choices=("uniform", "mixed"), default="uniform",
+                    help="mixed: --long-num x --long-len and --short-num x --short-len prompts, latencies "
+                         "per class (no offline run)")
+    ap.add_argument("--long-num", type=int, default=16)
+    ap.add_argument("--long-len", type=int, default=32768)
+    ap.add_argument("--short-num", type=int, default=256)
+    ap.add_argument("--short-len", type=int, default=1024)
     ap.add_argument("--rates", default="1,4,16,64,inf", help="request rates (req/s), inf: all at once")
     ap.add_argument("--out", default="serving.json", help="JSON results (the plot goes next to it)")
     ap.add_argument("--url", default=None, help="an already running server (skips starting one)")
@@ -329,9 +375,12 @@ def main() -> None:
     EngineArgs.add_cli_args(engine_ap)
     engine_args = engine_ap.parse_args(extra)
     vocab = vocab_size(engine_args)
-    result = dict(workload=dict(num_prompts=args.num_prompts, input_len=args.input_len,
-                                output_len=args.output_len), engine_flags=extra, offline=None)
-    if not args.skip_offline:
+    shape = (dict(num_prompts=args.num_prompts, input_len=args.input_len) if args.workload == "uniform" else
+             dict(long_num=args.long_num, long_len=args.long_len, short_num=args.short_num,
+                  short_len=args.short_len))
+    result = dict(workload=dict(kind=args.workload, **shape, output_len=args.output_len),
+                  engine_flags=extra, offline=None)
+    if not args.skip_offline and args.workload == "uniform":
         result["offline_inproc"] = (None if args.no_inproc else
                                     offline(engine_args, args, vocab, multiprocessing=False))
         result["offline"] = offline(engine_args, args, vocab, multiprocessing=True)

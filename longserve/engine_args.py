@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from longserve.config import (CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig, parse_dtype)
+from longserve.config import (KV_ROLES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
+                              ParallelConfig, SchedulerConfig, parse_dtype)
 from longserve.distributed.parallel_state import launched_by_torchrun
 from longserve.models.builtin import DEFAULT_MODEL, model_config, resolve_model
 
@@ -55,10 +55,13 @@ def arg(default, *checks, help: str | None = None, flags: tuple[str, ...] = (), 
 
 
 def kv_transfer_json(text: str) -> dict:
+    if f"kv_{text}" in KV_ROLES:  # shorthand: producer, consumer, both
+        return {"kv_role": f"kv_{text}"}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--kv-transfer-config is not valid JSON: {e}") from e
+        raise argparse.ArgumentTypeError(f"--kv-transfer-config is neither JSON nor producer / consumer / "
+                                         f"both: {e}") from e
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("--kv-transfer-config must be a JSON object")
     return value
@@ -118,7 +121,8 @@ class EngineArgs:
                                "from the device")
     kv_transfer_config: dict | KVTransferConfig | None = arg(
         None, (lambda v: v is None or isinstance(v, (dict, KVTransferConfig)), "a dict or KVTransferConfig"),
-        type=kv_transfer_json, help='JSON, e.g. \'{"kv_role": "kv_producer", "kv_lease_s": 30}\'')
+        type=kv_transfer_json, help='JSON, e.g. \'{"kv_role": "kv_producer", "kv_lease_s": 30}\'; '
+        'producer / consumer / both: only that kv_role')
 
     def __post_init__(self):
         refuse(not isinstance(self.model, (str, os.PathLike)),

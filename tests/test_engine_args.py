@@ -112,3 +112,11 @@ def test_bad_flag_values_are_refused_naming_the_field():
         EngineArgs.from_cli_args(parse(["--max-num-seqs", "0"]))
     with pytest.raises(SystemExit):  # argparse: not a JSON object
         parse(["--kv-transfer-config", "[1]"])
+    with pytest.raises(SystemExit):  # neither JSON nor a role's short name
+        parse(["--kv-transfer-config", "prefill"])
+
+
+@pytest.mark.parametrize("short", ["producer", "consumer", "both"])
+def test_kv_transfer_config_takes_a_roles_short_name(short):
+    config = EngineArgs.from_cli_args(parse(["--kv-transfer-config", short])).create_engine_config()
+    assert config.kv_transfer.kv_role == f"kv_{short}"

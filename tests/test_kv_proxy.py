@@ -48,6 +48,16 @@ def test_proxy_sends_prefill_then_decode_with_params(stream):
     assert decode["max_tokens"] == 9 and decode["stream"] is stream and decode["kv_transfer_params"] == PARAMS
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_proxy_without_prefill_relays_each_request_as_is(stream):
+    """No --prefill: a colocated instance behind the same hop (benchmarks)."""
+    log, req = [], {"prompt": "hi", "max_tokens": 9, "stream": stream}
+    with TestClient(build_app(None, "http://decode:2", transport=upstreams(log))) as client:
+        r = client.post("/v1/completions", json=req)
+        assert r.status_code == 200 and "llo" in r.text
+    assert log == [("decode", "/v1/completions", req)]
+
+
 def test_proxy_passes_prefill_errors_through():
     log = []
     with TestClient(build_app("http://prefill:1", "http://decode:2", transport=upstreams(log))) as client:

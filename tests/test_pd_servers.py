@@ -1,9 +1,9 @@
 """Prefill/decode disaggregation as a user runs it: a `longserve serve` kv_producer, a
-`longserve serve` kv_consumer and `longserve proxy` in front, three real processes on
-loopback, for each heterogeneous layout pair (pcp2 -> tp2, tp1 -> tp2 x dcp2, tp2 -> tp1, block
-size 8 in HND -> 16). Completions through the proxy (plain and streamed) give one instance's
-greedy tokens; a client that leaves mid-stream loses nothing; both pools are whole afterwards;
-no process is left."""
+`longserve serve` kv_consumer and `longserve proxy` in front, real processes on loopback: the
+README's pcp2 -> tp2 recipe run as written (against a colocated tp=2 engine), and tp1 -> tp2 x
+dcp2, tp2 -> tp1, block size 8 in HND -> 16 (against one instance). Completions through the
+proxy (plain and streamed) give the same greedy tokens; a client that leaves mid-stream loses
+nothing; both pools are whole afterwards; no process is left."""
 import json
 import os
 import re
@@ -58,16 +58,16 @@ def kv_usage(url) -> float:
 
 
 def stop(proc):
-    if proc.poll() is None:  # SIGTERM the session (server + its rank processes), then SIGKILL
-        os.killpg(proc.pid, 15)
+    """SIGTERM the session (a server and its rank processes, or a shell and what it started in
+    the background), then SIGKILL whatever of it is left after 30 s."""
+    deadline = time.monotonic() + 30
+    for sig in (15, 9):
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, 9)  # whatever of the session is left
-    except ProcessLookupError:
-        pass
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        while sig == 15 and session_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
     proc.wait(10)
 
 
@@ -120,16 +120,43 @@ BODY = dict(model=MODEL, prompt=PROMPT, max_tokens=N, temperature=0, ignore_eos=
             return_token_ids=True)
 
 
-@pytest.mark.timeout(180)
-def test_pcp2_producer_tp2_consumer_behind_proxy_match_one_instance(tmp_path):
-    want = one_instance()
-    procs = {}
-    try:
-        url, p_url, d_url = start_pd(tmp_path, procs, ["-pcp", "2"], ["-tp", "2"])
-        r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == want
+def readme_recipe() -> str:
+    """The README's four-GPU block: a pcp=2 producer, a tp=2 consumer, the proxy, one curl."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    return next(b for b in blocks if "--kv-transfer-config producer" in b)
 
+
+@pytest.mark.timeout(240)
+def test_readme_pcp2_producer_tp2_consumer_proxy_match_colocated_tp2(tmp_path):
+    """The README's recipe as written (engine cores as processes, as a user runs it; only its
+    ports moved to free ones): its curl gives a colocated tp=2 engine's greedy text; then the
+    same proxy streams, and loses nothing to a client that leaves mid-stream."""
+    recipe = readme_recipe()
+    body = json.loads(re.search(r"-d '(.*)'", recipe).group(1))
+    with LLM(MODEL, device="cpu", max_model_len=256, tensor_parallel_size=2) as tp2:
+        want_text = tp2.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=body["max_tokens"]),
+                                 use_tqdm=False)[0].outputs[0].text
+        want = tp2.generate([{"prompt_token_ids": PROMPT}], SamplingParams(
+            temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    ports = {p: str(free_port()) for p in ("8000", "8100", "8200")}
+    script = re.sub(r"\b(8000|8100|8200)\b", lambda m: ports[m.group(1)], recipe)
+    cli = f'longserve() {{ "{sys.executable}" -m longserve.entrypoints.cli "$@"; }}\n'
+    env = dict(os.environ, PYTHONPATH=ROOT, LONGSERVE_ENABLE_MULTIPROCESSING="1")
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(["bash", "-c", cli + script], stdout=out, stderr=log, env=env,
+                                start_new_session=True)
+    try:
+        try:
+            proc.wait(150)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the recipe did not finish:\n" + (tmp_path / "log").read_text()[-3000:])
+        text = (tmp_path / "out").read_text()  # curl's reply among the servers' access log lines
+        reply = json.JSONDecoder().raw_decode(text[text.index('{"id"'):])[0]
+        assert reply["choices"][0]["text"] == want_text
+        assert "loading the KV" not in (tmp_path / "log").read_text()  # pulled, not recomputed
+
+        url, p_url, d_url = (f"http://127.0.0.1:{ports[p]}" for p in ("8000", "8100", "8200"))
         got = []
         with httpx.stream("POST", f"{url}/v1/completions", json=dict(BODY, stream=True), timeout=60) as resp:
             assert resp.status_code == 200
@@ -145,7 +172,7 @@ def test_pcp2_producer_tp2_consumer_behind_proxy_match_one_instance(tmp_path):
             next(line for line in resp.iter_lines() if line)
         wait_pools_whole(p_url, d_url)
     finally:
-        stop_all(procs)
+        stop_all({"recipe": proc})
 
 
 @pytest.mark.timeout(180)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -44,7 +45,11 @@ def core_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
     par = config.parallel
     par = (replace(par, data_parallel_rank=dp_rank) if config.dp_lockstep
            else replace(par, data_parallel_size=1, data_parallel_rank=0))
-    return replace(config, parallel=par)
+    kvt = config.kv_transfer
+    if kvt.kv_role is not None:  # its workers copy the config before the core hosts its KV store
+        kvt = replace(kvt, engine_id=kvt.engine_id or uuid.uuid4().hex[:12],
+                      kv_port=kvt.kv_port or (0 if kvt.kv_role == "kv_consumer" else free_port()))
+    return replace(config, parallel=par, kv_transfer=kvt)
 
 
 def visible_gpus() -> list[str]:

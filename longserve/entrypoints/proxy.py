@@ -5,7 +5,8 @@ Each completion / chat request goes to the prefill instance with one output toke
 request plus the `kv_transfer_params` the prefill instance returned, and its answer (a stream
 or one JSON body) is relayed as is. A client that disconnects closes the decode stream (the
 decode instance aborts); one gone before the prefill answers gets no decode at all. Blocks the
-prefill instance holds for a decode that never pulls go back at the end of their lease."""
+prefill instance holds for a decode that never pulls go back at the end of their lease.
+Without --prefill every request goes to --decode as is (a colocated layout behind the same hop)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
-def build_app(prefill_url: str, decode_url: str, transport: httpx.AsyncBaseTransport | None = None,
+def build_app(prefill_url: str | None, decode_url: str, transport: httpx.AsyncBaseTransport | None = None,
               timeout_s: float = 600.0) -> FastAPI:
     app = FastAPI(title="longserve proxy")
     client = httpx.AsyncClient(transport=transport, timeout=timeout_s)
@@ -23,15 +24,17 @@ def build_app(prefill_url: str, decode_url: str, transport: httpx.AsyncBaseTrans
     async def forward(request: Request, path: str):
         body = await request.json()
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        prefill = dict(body, stream=False, max_tokens=1, max_completion_tokens=1,
-                       kv_transfer_params={"do_remote_decode": True})
-        prefill.pop("stream_options", None)
-        r = await client.post(prefill_url.rstrip("/") + path, json=prefill, headers=headers)
-        if r.status_code != 200:
-            return Response(r.content, r.status_code, media_type="application/json")
-        if await request.is_disconnected():  # nobody to answer: the producer's lease frees its blocks
-            return Response(status_code=499)
-        decode = dict(body, kv_transfer_params=r.json().get("kv_transfer_params"))
+        decode = body
+        if prefill_url is not None:
+            prefill = dict(body, stream=False, max_tokens=1, max_completion_tokens=1,
+                           kv_transfer_params={"do_remote_decode": True})
+            prefill.pop("stream_options", None)
+            r = await client.post(prefill_url.rstrip("/") + path, json=prefill, headers=headers)
+            if r.status_code != 200:
+                return Response(r.content, r.status_code, media_type="application/json")
+            if await request.is_disconnected():  # nobody to answer: the producer's lease frees its blocks
+                return Response(status_code=499)
+            decode = dict(body, kv_transfer_params=r.json().get("kv_transfer_params"))
         url = decode_url.rstrip("/") + path
         if not body.get("stream"):
             r = await client.post(url, json=decode, headers=headers)
@@ -61,7 +64,7 @@ def build_app(prefill_url: str, decode_url: str, transport: httpx.AsyncBaseTrans
 
     @app.get("/health")
     async def health():
-        for url in (prefill_url, decode_url):
+        for url in filter(None, (prefill_url, decode_url)):
             try:
                 r = await client.get(url.rstrip("/") + "/health")
                 if r.status_code != 200:
@@ -75,7 +78,8 @@ def build_app(prefill_url: str, decode_url: str, transport: httpx.AsyncBaseTrans
 
 
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, help="URL of the kv_producer instance")
+    p.add_argument("--prefill", help="URL of the kv_producer instance (none: each request goes to "
+                   "--decode as is, e.g. a colocated instance behind the same hop in a benchmark)")
     p.add_argument("--decode", required=True, help="URL of the kv_consumer instance")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -84,6 +88,6 @@ def add_proxy_args(p: argparse.ArgumentParser) -> None:
 def cmd_proxy(args) -> None:
     import uvicorn
     for name in ("prefill", "decode"):
-        if not getattr(args, name).startswith(("http://", "https://")):
+        if getattr(args, name) is not None and not getattr(args, name).startswith(("http://", "https://")):
             raise ValueError(f"--{name} must be an http(s) URL, got {getattr(args, name)!r}")
     uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port, log_level="warning")
