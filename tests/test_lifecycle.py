@@ -231,13 +231,13 @@ def test_cpu_threads_are_shared_among_local_ranks(monkeypatch):
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
         torch.set_num_threads(8)
-        limit_cpu_threads(2)
-        assert torch.get_num_threads() == 4
+        limit_cpu_threads(2)  # one core is the front end's: (8 - 1) // 2
+        assert torch.get_num_threads() == 3
         limit_cpu_threads(16)  # more ranks than cores: one thread each
         assert torch.get_num_threads() == 1
-        torch.set_num_threads(3)  # the user's smaller choice stays
+        torch.set_num_threads(2)  # the user's smaller choice stays
         limit_cpu_threads(2)
-        assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 2
         torch.set_num_threads(8)
         monkeypatch.setenv("OMP_NUM_THREADS", "8")  # set by the user: left alone
         limit_cpu_threads(2)
