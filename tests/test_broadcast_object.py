@@ -1,14 +1,13 @@
-"""GroupCoordinator.broadcast_object, which carries the step plan to every rank each step: one
-broadcast of a fixed buffer when the pickle fits it, a second one for a larger object."""
+"""GroupCoordinator.broadcast_object, which carries the step plan to every rank each step under
+torchrun: small and large objects in turn."""
 import pytest
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from longserve.distributed.parallel_state import OBJECT_BUF_BYTES, GroupCoordinator
+from longserve.distributed.parallel_state import GroupCoordinator
 
-# the third takes a second broadcast (~190 KB pickled), the fourth all but fills the buffer
-OBJECTS = [None, {"plan": [1, 2, 3], "ids": ["a", "b"]}, list(range(OBJECT_BUF_BYTES)),
-           b"x" * (OBJECT_BUF_BYTES - 8 - 40), "small again"]
+OBJECTS = [None, {"plan": [1, 2, 3], "ids": ["a", "b"]}, list(range(1 << 16)), b"x" * (1 << 16),
+           "small again"]
 
 
 def _receive_all(rank, world_size):

@@ -6,11 +6,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import pickle
 import threading
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -18,7 +16,6 @@ from longserve.config import ParallelConfig
 from longserve.distributed import symm_all_reduce
 
 logger = logging.getLogger(__name__)
-OBJECT_BUF_BYTES = 1 << 16  # broadcast_object: one collective up to this size
 CLOSE_TIMEOUT_S = 5.0  # closing the groups with every rank present takes well under a second
 
 
@@ -92,7 +89,6 @@ class GroupCoordinator:
         self.device_group = device_group
         self.cpu_group = cpu_group  # gloo, for Python objects and CPU tensors
         self.symm = None  # small collectives over NVLink (distributed/symm_all_reduce.py)
-        self._object_buf: torch.Tensor | None = None  # broadcast_object's
 
     @property
     def is_first_rank(self) -> bool:
@@ -161,27 +157,13 @@ class GroupCoordinator:
         return x
 
     def broadcast_object(self, obj=None):
-        """Send a picklable object from the group's first rank to the others (the plan under torchrun):
-        one broadcast of a fixed buffer (length, then pickle) when it fits, else a second one for the
-        rest (torch's broadcast_object_list takes two collectives and more copies)."""
+        """The group's first rank's picklable object on every rank: the plan under torchrun
+        (ranks perhaps on other hosts; spawned workers read theirs from the shared-memory ring)."""
         if self.world_size == 1:
             return obj
-        if self._object_buf is None:
-            self._object_buf = torch.zeros(OBJECT_BUF_BYTES, dtype=torch.uint8)
-        buf, src = self._object_buf.numpy(), self.ranks[0]
-        if self.is_first_rank:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            buf[:8].view(np.int64)[0] = len(data)
-            if len(data) <= len(buf) - 8:
-                buf[8:8 + len(data)] = np.frombuffer(data, np.uint8)
-        dist.broadcast(self._object_buf, src=src, group=self.cpu_group)
-        n = int(buf[:8].view(np.int64)[0])
-        if n <= len(buf) - 8:
-            return obj if self.is_first_rank else pickle.loads(buf[8:8 + n])
-        big = torch.from_numpy(np.frombuffer(data, np.uint8).copy()) if self.is_first_rank \
-            else torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(big, src=src, group=self.cpu_group)
-        return obj if self.is_first_rank else pickle.loads(big.numpy())
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.cpu_group)
+        return box[0]
 
     def gather_object(self, obj):
         """Every rank's picklable object, in rank order, on the first rank; None elsewhere."""
