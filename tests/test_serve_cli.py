@@ -22,6 +22,23 @@ from server_utils import Server, descendants, wait_gone
 MODEL = "builtin:llama-tiny"
 
 
+
+def stream_in_flight(url: str, **body) -> tuple[list[str], threading.Thread]:
+    """A streamed completion read on a thread (its SSE lines so far), once its first line came."""
+    lines, started = [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json=dict(prompt="Hello", stream=True, ignore_eos=True,
+                                    return_token_ids=True, **body)) as resp:
+            for line in filter(None, resp.iter_lines()):
+                lines.append(line)
+                started.set()
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    return lines, reader
+
 @pytest.mark.timeout(240)
 def test_tp2_server_matches_one_rank_and_sigterm_drains_and_leaves_no_process(tmp_path):
     server = Server([MODEL, "-tp", "2", "--device", "cpu", "--max-model-len", "256"],
@@ -40,18 +57,8 @@ def test_tp2_server_matches_one_rank_and_sigterm_drains_and_leaves_no_process(tm
 
         workers = descendants(proc.pid)
         assert len(workers) >= 2  # the engine core and its tp rank 1 process
-        lines, started = [], threading.Event()
-
-        def stream():  # in flight when SIGTERM comes: it is drained, not cut
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                              json=dict(model=MODEL, prompt="Hello", max_tokens=60, stream=True,
-                                        ignore_eos=True, return_token_ids=True)) as resp:
-                for line in filter(None, resp.iter_lines()):
-                    lines.append(line)
-                    started.set()
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(60)
+        # in flight when SIGTERM comes: it is drained, not cut
+        lines, reader = stream_in_flight(url, model=MODEL, max_tokens=60)
         at_signal = len(lines)
         proc.send_signal(signal.SIGTERM)
         reader.join(60)
@@ -68,18 +75,7 @@ def test_ctrl_c_with_a_stream_in_flight_ends_it_with_an_error_event_within_the_t
     server = Server([MODEL, "--device", "cpu", "--max-model-len", "4096", "--shutdown-timeout", "3"],
                     tmp_path / "server.log")  # (uvicorn logs its errors, "Exception in ASGI ...")
     try:
-        lines, started = [], threading.Event()
-
-        def stream():  # ~4000 tokens: more than the drain lets finish
-            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
-                              json=dict(prompt="Hello", max_tokens=4000, stream=True, ignore_eos=True,
-                                        return_token_ids=True)) as resp:
-                for line in filter(None, resp.iter_lines()):
-                    lines.append(line)
-                    started.set()
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(60)
+        lines, reader = stream_in_flight(server.url, max_tokens=4000)  # more than the drain lets finish
         workers = descendants(server.proc.pid)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
