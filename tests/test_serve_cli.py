@@ -22,7 +22,6 @@ from server_utils import Server, descendants, wait_gone
 MODEL = "builtin:llama-tiny"
 
 
-
 def stream_in_flight(url: str, **body) -> tuple[list[str], threading.Thread]:
     """A streamed completion read on a thread (its SSE lines so far), once its first line came."""
     lines, started = [], threading.Event()
