@@ -41,7 +41,9 @@ def one_rank(model=MODEL, n=12) -> list[list[int]]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", [dict(), dict(tensor_parallel_size=2),
-                                    dict(prefill_context_parallel_size=2)], ids=["1", "tp2", "pcp2"])
+                                    dict(prefill_context_parallel_size=2),
+                                    dict(data_parallel_size=2, tensor_parallel_size=2)],
+                         ids=["1", "tp2", "pcp2", "dp2-tp2"])  # (dense dp2 x tp2: each core its own rendezvous)
 def test_generate_through_the_core_process_matches_in_process(layout, monkeypatch):
     want = one_rank()
     monkeypatch.setenv("LONGSERVE_ENABLE_MULTIPROCESSING", "1")
