@@ -500,10 +500,6 @@ def merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device) ->
             for out_lse in (None, lse.clone())]
 
 
-def compile_merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-    run_in_threads(merge_variants(num_heads, head_dim, dtype, device), device)
-
-
 def run_in_threads(calls: list, device: torch.device) -> None:
     """Call each (a first launch: Triton compiles its variant) from a pool of threads: Triton
     compiles mostly outside the GIL (LLVM, ptxas), so a cold start compiles several at once.

@@ -109,7 +109,7 @@ class Executor:
         w = self.started or start_workers(pickle.dumps(config), self.base,
                                           config.parallel.replica_size, self.init_method)
         self.procs, self.plans = w.procs, w.plans
-        self.port = int(w.init_method.rsplit(":", 1)[1])  # rank 0's rendezvous store, freed at shutdown
+        self.port = int(w.init_method.rsplit(":", 1)[1])  # the rendezvous (free again after shutdown)
         self._watchdog = threading.Thread(target=watch, args=(weakref.ref(self),), daemon=True)
         self._watchdog.start()
         driver = Worker(config, self.base, w.init_method, 0, alive_check=self._raise_if_failed,
