@@ -34,12 +34,8 @@ if triton is not None:
 
     @triton.jit
     def _zero_kv_blocks_kernel(seg_table_ptr, block_ids_ptr, CHUNK_BYTES: tl.constexpr):
-        """Zero chunk `pid(2)` of segment `pid(1)` of manager block `block_ids[pid(0)]`.
-
-        seg_table: int64 [num_segments, 2] = (absolute byte address of the segment of
-        block 0, bytes per block in that segment). Absolute addresses let segments live
-        in different allocations. Memory is written as raw int32 words.
-        """
+        """Zero chunk pid(2) of segment pid(1) of block block_ids[pid(0)]. seg_table: int64
+        [num_segments, 2] = (absolute address of the segment's block 0, bytes per block)."""
         block_id = tl.load(block_ids_ptr + tl.program_id(0)).to(tl.int64)
         seg = tl.program_id(1)
         chunk_start = tl.program_id(2).to(tl.int64) * CHUNK_BYTES
@@ -70,10 +66,7 @@ def _manager_block_view(name: str, cache: torch.Tensor, manager_block_size: int,
 
 
 class KVBlockZeroer:
-    """Zeroes newly allocated KV blocks of every layer, in one Triton launch on CUDA.
-
-    Call `init_meta` once after the KV caches exist, then `zero_block_ids` each step.
-    """
+    """Zeroes newly allocated KV blocks of every layer, in one Triton launch on CUDA."""
 
     def __init__(self, device: torch.device | str, use_triton: bool | None = None):
         self.device = torch.device(device)
@@ -93,8 +86,7 @@ class KVBlockZeroer:
                   cache_dtype: str | torch.dtype, runner_only_attn_layers: set[str],
                   static_forward_context: dict[str, Any]) -> None:
         """Collect every distinct cache buffer (by address; runner_only_attn_layers skipped) and
-        precompute the kernel's segment table. cache_dtype: "auto" or the dtype every cache must have.
-        """
+        precompute the kernel's segment table. cache_dtype: "auto" or the dtype every cache must have."""
         dtype = None if cache_dtype == "auto" else parse_dtype(cache_dtype)
         seen: set[int] = set()
         self.views = []
@@ -170,11 +162,8 @@ def _layer_index(layer_name: str) -> int:
 
 def bind_kv_cache(kv_caches: dict[str, torch.Tensor], forward_context: dict[str, Any],
                   runner_kv_caches: list[torch.Tensor], num_attn_module: int = 1) -> None:
-    """Give each attention module its cache and refill `runner_kv_caches` in layer order.
-
-    Up to `num_attn_module` modules may share a layer index (e.g. self- and cross-attention
-    of an encoder-decoder layer); those keep their order in `kv_caches`.
-    """
+    """Give each attention module its cache and refill `runner_kv_caches` in layer order
+    (up to `num_attn_module` modules may share a layer index, in their order in `kv_caches`)."""
     by_index: dict[int, list[str]] = defaultdict(list)
     for name in kv_caches:
         by_index[_layer_index(name)].append(name)
@@ -286,13 +275,9 @@ def request_memory(init_snapshot: MemorySnapshot, cache_config: CacheConfig) -> 
 # ----------------------------------------------------------------------------- parallelism
 
 def is_residual_scattered_for_sp(config: Any, num_input_tokens: int) -> bool:
-    """Whether the residual stream is split over the TP ranks (sequence parallelism) at this size.
-
-    config: the EngineConfig (its `.parallel` is used) or a ParallelConfig.
-    Rule: SP on, tp > 1 and num_input_tokens % tp == 0 (each rank takes an equal slice).
-    The engine pads the token count to a multiple of tp when SP is on; an unpadded,
-    uneven count keeps the residual replicated.
-    """
+    """Whether sequence parallelism splits the residual over the TP ranks at this size (the
+    engine pads to a multiple of tp; an uneven count stays replicated). config: an
+    EngineConfig or a ParallelConfig."""
     parallel: ParallelConfig = getattr(config, "parallel", config)
     tp = parallel.tensor_parallel_size
     return parallel.enable_sequence_parallel and tp > 1 and num_input_tokens % tp == 0
