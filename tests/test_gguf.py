@@ -188,7 +188,7 @@ def test_gguf_model_matches_hf(arch, tmp_path, pool_whole):
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("tok"))
-    write_tokenizer(folder, 300, 1, 2)
+    write_tokenizer(folder, 300)
     return folder
 
 

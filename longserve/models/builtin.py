@@ -18,12 +18,22 @@ DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, a real trained model (GGUF)
 
 TINY_COMMON = dict(vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6,
                    bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+TINY_LLAMA = dict(TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False)
+# real shapes; their bos / eos are the built-in tokenizer's <s> and </s>, ids the
+# tokenizer has, as a real checkpoint's are (structured outputs mask past its 485 ids)
+SHAPE_COMMON = dict(bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+QWEN3_SHAPE = dict(SHAPE_COMMON, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   max_position_embeddings=40960, head_dim=128)
+LLAMA3_8B_SHAPE = dict(
+    SHAPE_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
+    max_position_embeddings=1048576, tie_word_embeddings=False)
 
 BUILTIN_CONFIGS: dict[str, dict] = {
     "llama-tiny": dict(
-        TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
-        intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
+        TINY_LLAMA, intermediate_size=160, num_key_value_heads=2, rope_theta=500000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=256)),
     "qwen2-tiny": dict(
@@ -35,16 +45,10 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         intermediate_size=224, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=True),
     # one KV head: more TP ranks than KV heads replicate it (or shard tokens with DCP)
-    "llama-tiny-mqa": dict(
-        TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, rope_theta=10000.0, tie_word_embeddings=False),
+    "llama-tiny-mqa": dict(TINY_LLAMA, intermediate_size=128, num_key_value_heads=1, rope_theta=10000.0),
     # cross-layer KV sharing: layers 2 and 3 read the KV of layers 0 and 1
-    "llama-tiny-kvshare": dict(
-        TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
-        intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
-        longserve_kv_sharing={"2": 0, "3": 1}),
+    "llama-tiny-kvshare": dict(TINY_LLAMA, intermediate_size=160, num_hidden_layers=4, num_key_value_heads=2,
+                               rope_theta=10000.0, longserve_kv_sharing={"2": 0, "3": 1}),
     # mixture of experts: 8 experts, top-2; Qwen3-MoE's layer 1 is a dense MLP
     "qwen3-moe-tiny": dict(
         TINY_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
@@ -53,40 +57,22 @@ BUILTIN_CONFIGS: dict[str, dict] = {
         num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
         rope_theta=1000000.0, tie_word_embeddings=False),
     "mixtral-tiny": dict(
-        TINY_COMMON, architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=64,
-        intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
-        tie_word_embeddings=False),
-    # real shapes; their bos / eos are the built-in tokenizer's <s> and </s>, ids the
-    # tokenizer has, as a real checkpoint's are (structured outputs mask past its 485 ids)
+        TINY_LLAMA, architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=32,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0),
     "qwen3-0.6b-shape": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2, torch_dtype="bfloat16"),
-    "llama3-8b-shape": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=2, torch_dtype="bfloat16"),
+        QWEN3_SHAPE, architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        tie_word_embeddings=True),
+    "llama3-8b-shape": LLAMA3_8B_SHAPE,
     # the Llama-3-8B shape with one KV head: tp=2 replicates it on both ranks (each holds
     # the whole KV), tp=2 x dcp=2 shards its tokens (each holds half): the layout guide's case
-    "llama3-8b-1kv-shape": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=1, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=1048576, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=2, torch_dtype="bfloat16"),
+    "llama3-8b-1kv-shape": dict(LLAMA3_8B_SHAPE, num_key_value_heads=1),
     "qwen3-30b-a3b-shape": dict(
-        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+        QWEN3_SHAPE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=2, torch_dtype="bfloat16"),
+        mlp_only_layers=[], tie_word_embeddings=False),
 }
 
 CORPUS = """LongServe serves long prompts on many GPUs. The quick brown fox jumps over the lazy dog.
@@ -149,7 +135,7 @@ def write_builtin(name: str, path: str, seed: int) -> None:
     if not name.endswith("-shape"):
         save_file(random_hf_state_dict(cfg, seed), os.path.join(tmp, "model.safetensors"),
                   metadata={"format": "pt"})
-    write_tokenizer(tmp, min(cfg["vocab_size"], 512), cfg["bos_token_id"], cfg["eos_token_id"])
+    write_tokenizer(tmp, min(cfg["vocab_size"], 512))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
         os.rename(tmp, path)  # atomic: concurrent writers of the same model both succeed
@@ -170,8 +156,8 @@ def random_hf_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_tokenizer(path: str, vocab_size: int, bos_id: int, eos_id: int) -> None:
-    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic)."""
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic): <s> is 1, </s> 2."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
