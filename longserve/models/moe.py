@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from longserve.config import ModelConfig
-from longserve.distributed.parallel_state import GroupCoordinator, ParallelState
+from longserve.distributed.parallel_state import (ParallelState, all_gather_async, all_reduce_async,
+                                                 all_to_all_async, reduce_scatter_async)
 from longserve.models.fused_ops import linear, silu_and_mul, use_triton
 from longserve.models.layers import _copy_checked, _param
 
@@ -264,47 +264,3 @@ def drain(stages):
             next(stages)
         except StopIteration as done:
             return done.value
-
-
-# ---- collectives started at once (async_op) or run now; calling the result gives the value ---
-
-def _is_gloo(group: GroupCoordinator) -> bool:
-    return dist.get_backend(group.device_group) == "gloo"
-
-
-def _waiter(work, value: torch.Tensor):
-    return lambda: (work is not None and work.wait(), value)[1]
-
-
-def all_gather_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
-    x = x.contiguous()
-    if _is_gloo(group):
-        parts = [torch.empty_like(x) for _ in range(group.world_size)]
-        work = dist.all_gather(parts, x, group=group.device_group, async_op=async_op)
-        return lambda: (work is not None and work.wait(), torch.cat(parts))[1]
-    out = x.new_empty((group.world_size * x.shape[0],) + tuple(x.shape[1:]))
-    return _waiter(dist.all_gather_into_tensor(out, x, group=group.device_group,
-                                               async_op=async_op), out)
-
-
-def reduce_scatter_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
-    """Sum over ranks; this rank keeps its 1/world_size of the rows."""
-    x = x.contiguous()
-    if _is_gloo(group):  # gloo has no reduce_scatter
-        work = dist.all_reduce(x, group=group.device_group, async_op=async_op)
-        return _waiter(work, x.chunk(group.world_size)[group.rank_in_group])
-    out = x.new_empty((x.shape[0] // group.world_size,) + tuple(x.shape[1:]))
-    return _waiter(dist.reduce_scatter_tensor(out, x, group=group.device_group,
-                                              async_op=async_op), out)
-
-
-def all_reduce_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
-    if not async_op:  # in order: the group's own (symmetric memory where its table says so;
-        return _waiter(None, group.all_reduce(x))  # 2 MB at batch 512: 21.7 us, NCCL's 31.1)
-    return _waiter(dist.all_reduce(x, group=group.device_group, async_op=True), x)
-
-
-def all_to_all_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
-    """x [world_size, ...]: x[j] goes to rank j; rank j's piece for this rank lands at [j]."""
-    x, out = x.contiguous(), torch.empty_like(x)
-    return _waiter(dist.all_to_all_single(out, x, group=group.device_group, async_op=async_op), out)
