@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from contextlib import aclosing
 
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.output_processor import StreamOutput
 from longserve.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, random_id
-from longserve.entrypoints.openai.serving_engine import (DONE, Frames, SSEResponse, TokenNames,
-                                                         check_errors, check_model, json_response,
-                                                         kv_transfer_params, make_requests, queue,
-                                                         read_all, read_streams, response_body,
-                                                         sampling_params, sse_error, usage,
+from longserve.entrypoints.openai.serving_engine import (Frames, SSEResponse, TokenNames, check_errors,
+                                                         check_model, json_response, kv_transfer_params,
+                                                         make_requests, queue, read_all, response_body,
+                                                         sampling_params, sse_frames, usage,
                                                          vllm_prompt_logprobs)
 
 
@@ -84,28 +82,17 @@ class OpenAIServingChat:
             self._top(t, v, name) for t, v in sorted(entry.items(), key=lambda kv: -kv[1])])
             for token, entry in zip(out.token_ids, out.logprobs)])
 
-    async def _stream(self, request_id, model, stream, req: ChatCompletionRequest, name):
-        frames, finals = Frames(request_id, "chat.completion.chunk", model), {}
-        try:
-            yield b"".join(frames.chunk([dict(index=i, delta=dict(role="assistant", content=""),
-                                              logprobs=None, finish_reason=None)]) for i in range(stream.n))
-            async with aclosing(read_streams(self.core, [stream])) as batches:
-                async for batch in batches:  # one write for what came together
-                    chunks = []
-                    for i, out in batch:
-                        finals[i] = out if i not in finals else finals[i].merged(out)
-                        check_errors([out])
-                        if out.text or out.finished or out.logprobs or out.prompt_logprobs:
-                            prompt_lps = vllm_prompt_logprobs(out, req.prompt_logprobs, name)
-                            chunks.append(frames.chunk(
-                                [dict(index=i, delta=dict(content=out.text or None),
+    def _stream(self, request_id, model, stream, req: ChatCompletionRequest, name):
+        frames = Frames(request_id, "chat.completion.chunk", model)
+        first = b"".join(frames.chunk([dict(index=i, delta=dict(role="assistant", content=""),
+                                            logprobs=None, finish_reason=None)]) for i in range(stream.n))
+
+        def chunk(i, out, _):
+            if not (out.text or out.finished or out.logprobs or out.prompt_logprobs):
+                return None
+            prompt_lps = vllm_prompt_logprobs(out, req.prompt_logprobs, name)
+            return frames.chunk([dict(index=i, delta=dict(content=out.text or None),
                                       logprobs=self._logprobs(out, name),
                                       finish_reason=out.finish_reason if out.finished else None)],
-                                **({"prompt_logprobs": prompt_lps} if prompt_lps else {})))
-                    if chunks:
-                        yield b"".join(chunks)
-            if req.include_usage:
-                yield frames.chunk([], usage=usage(list(finals.values())))
-        except Exception as e:  # the engine failed mid-stream: tell the client, then end
-            yield sse_error(e)
-        yield DONE
+                                **({"prompt_logprobs": prompt_lps} if prompt_lps else {}))
+        return sse_frames(self.core, [stream], frames, req.include_usage, chunk, first)

@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Callable
 
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.output_processor import StreamOutput
 from longserve.entrypoints.openai.protocol import CompletionRequest, OpenAIError, random_id
-from longserve.entrypoints.openai.serving_engine import (DONE, Frames, SSEResponse, TokenNames,
-                                                         check_errors, check_model, json_response,
-                                                         kv_transfer_params, make_requests, queue,
-                                                         read_all, read_streams, response_body,
-                                                         sampling_params, sse_error, usage,
+from longserve.entrypoints.openai.serving_engine import (Frames, SSEResponse, TokenNames, check_errors,
+                                                         check_model, json_response, kv_transfer_params,
+                                                         make_requests, queue, read_all, response_body,
+                                                         sampling_params, sse_frames, usage,
                                                          vllm_prompt_logprobs)
 
 
@@ -66,28 +64,17 @@ class OpenAIServingCompletion:
                            self.core.decode(r.prompt_token_ids), r.prompt_token_ids if scored else None)
                           for r in requests]
 
-    async def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, shape):
-        outs: dict[int, StreamOutput] = {}
+    def _stream(self, request_id, model, streams, echoes, req: CompletionRequest, shape):
         offsets = [0] * (len(streams) * req.n)
         frames = Frames(request_id, "text_completion", model)
-        try:
-            async with aclosing(read_streams(self.core, streams)) as batches:
-                async for batch in batches:  # one write for what came together
-                    chunks = []
-                    for index, out in batch:
-                        echo = echoes[index // req.n] if index not in outs else ("", None)
-                        outs[index] = out if index not in outs else outs[index].merged(out)
-                        check_errors([out])
-                        if echo[0] or out.text or out.finished or out.logprobs or req.return_token_ids:
-                            chunks.append(frames.chunk([shape.choice(index, out, echo, offsets[index])]))
-                            offsets[index] += len(echo[0]) + len(out.text)
-                    if chunks:  # else tokens whose text is held back (a character or a stop string)
-                        yield b"".join(chunks)
-            if req.include_usage:
-                yield frames.chunk([], usage=usage(list(outs.values())))
-        except Exception as e:  # the engine failed mid-stream: tell the client, then end
-            yield sse_error(e)
-        yield DONE
+
+        def chunk(index, out, first):
+            echo = echoes[index // req.n] if first else ("", None)
+            if not (echo[0] or out.text or out.finished or out.logprobs or req.return_token_ids):
+                return None
+            offset, offsets[index] = offsets[index], offsets[index] + len(echo[0]) + len(out.text)
+            return frames.chunk([shape.choice(index, out, echo, offset)])
+        return sse_frames(self.core, streams, frames, req.include_usage, chunk)
 
 
 @dataclass

@@ -276,6 +276,32 @@ class Frames:
         return self.head + encode(dict(choices=choices, **fields))[1:] + b"\n\n"
 
 
+async def sse_frames(core: LLMEngine, streams: list, frames: Frames, include_usage: bool, chunk,
+                     first: bytes = b""):
+    """A stream's SSE body: `first`, then one write for each batch of what came together
+    (chunk(index, out, first_of_its_choice) -> a frame, or None: nothing to send yet), the
+    usage if asked and [DONE]; an engine failure mid-stream ends it with an error event."""
+    finals: dict[int, StreamOutput] = {}
+    try:
+        if first:
+            yield first
+        async with aclosing(read_streams(core, streams)) as batches:
+            async for batch in batches:
+                chunks = []
+                for i, out in batch:
+                    new = i not in finals
+                    finals[i] = out if new else finals[i].merged(out)
+                    check_errors([out])
+                    chunks.append(chunk(i, out, new))
+                if any(chunks):  # else tokens whose text is held back (a character or a stop string)
+                    yield b"".join(c for c in chunks if c)
+        if include_usage:
+            yield frames.chunk([], usage=usage(list(finals.values())))
+    except Exception as e:
+        yield sse_error(e)
+    yield DONE
+
+
 def sse_error(e: Exception) -> bytes:
     err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), 500, "server_error")
     return b"data: " + encode(err.body()) + b"\n\n"
