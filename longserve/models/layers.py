@@ -1,8 +1,6 @@
 """Tensor-parallel building blocks: linears, vocab-parallel embedding and LM head, RMSNorm, RoPE.
-
-Every parameter that comes from a checkpoint carries a `weight_loader(param, tensor,
-shard=None)` that copies in this rank's slice, so each rank keeps only its part.
-"""
+Every checkpoint parameter carries a `weight_loader(param, tensor, shard=None)` that copies in
+this rank's slice, so each rank keeps only its part."""
 from __future__ import annotations
 
 import math
@@ -12,10 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from longserve.distributed.parallel_state import GroupCoordinator
+from longserve.kv_transfer.topology import kv_heads_of_rank
 from longserve.models.fused_ops import GEMV_MAX_ROWS, linear, rms_norm, rotary
 
 
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+    """The whole tensor (a weight_loader of an unsplit parameter)."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
     param.data.copy_(loaded)
@@ -61,19 +61,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 def kv_head_range(num_kv_heads: int, tp: GroupCoordinator, dcp_size: int) -> tuple[int, int]:
-    """(first, count) of the KV heads this rank computes and stores.
-
-    With DCP, the `dcp` consecutive TP ranks of a DCP group share one set of KV heads
-    (they split the *tokens* of the cache instead), so heads are split over tp/dcp
-    groups; when there are fewer KV heads than groups, each head is replicated.
-    """
-    groups = tp.world_size // dcp_size
-    group = tp.rank_in_group // dcp_size
-    if num_kv_heads >= groups:
-        assert num_kv_heads % groups == 0, (num_kv_heads, groups)
-        per = num_kv_heads // groups
-        return group * per, per
-    return group * num_kv_heads // groups, 1
+    """(first, count) of the KV heads this rank computes and stores: with DCP the `dcp`
+    consecutive TP ranks of a DCP group share one set (they split the *tokens* instead), so
+    heads are split over tp/dcp groups, each replicated when there are fewer heads than groups."""
+    return kv_heads_of_rank(num_kv_heads, tp.world_size, tp.rank_in_group, dcp_size)
 
 
 class QKVParallelLinear(nn.Module):
@@ -107,11 +98,8 @@ class QKVParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's input columns split over TP; partial sums are reduced.
-
-    `reduce="all"` all-reduces; `reduce="scatter"` reduce-scatters over tokens
-    (sequence parallelism: the caller's residual stream is split over TP ranks).
-    """
+    """y = x W^T + b with W's input columns split over TP; partial sums are all-reduced, or
+    reduce-scattered over tokens with reduce="scatter" (sequence parallelism)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: GroupCoordinator):
         super().__init__()
@@ -119,13 +107,10 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_local = in_features // tp.world_size
         self.weight = _param(out_features, self.in_local, loader=self.load_cols)
-        self.bias = _param(out_features, loader=self.load_full) if bias else None
+        self.bias = _param(out_features, loader=_copy_checked) if bias else None
 
     def load_cols(self, param, loaded, shard=None):
         _copy_checked(param, loaded.narrow(1, self.tp.rank_in_group * self.in_local, self.in_local))
-
-    def load_full(self, param, loaded, shard=None):
-        _copy_checked(param, loaded)
 
     def forward(self, x, reduce: str = "all"):
         y = linear(x, self.weight)
@@ -193,7 +178,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = _param(dim, loader=lambda p, w, s=None: _copy_checked(p, w))
+        self.weight = _param(dim, loader=_copy_checked)
 
     def forward(self, x, residual=None):
         """With `residual`: returns (norm(x + residual), x + residual), the fused pre-norm step."""

@@ -225,8 +225,7 @@ class ReplicatedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        self.weight = _param(out_features, in_features,
-                             loader=lambda p, w, s=None: _copy_checked(p, w))
+        self.weight = _param(out_features, in_features, loader=_copy_checked)
 
     def forward(self, x):
         return linear(x, self.weight)
