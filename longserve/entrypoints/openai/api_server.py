@@ -1,13 +1,7 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over the engine, served by uvicorn.
-
-The engine loads on a thread after the port is open, then one streamed completion and one
-streamed chat warm the path every request takes (tokenizer, chat template, detokenizer, SSE);
-until then (and after a fatal engine error) /health and /v1/* answer 503. Shutdown (Ctrl-C,
-SIGTERM): uvicorn stops accepting and lets in-flight requests drain until a second before
---shutdown-timeout; what is left then ends with an error, and the cores stop. A client that
-goes away aborts its requests, streamed or not. With several API servers
-(entrypoints/openai/api_servers.py) this is one of them; `siblings` says whether the others
-are up."""
+"""The OpenAI-compatible HTTP server: FastAPI routes over the engine, served by uvicorn. The engine
+loads on a thread after the port is open and warms up; until then (and after a fatal engine
+error) /health and /v1/* answer 503. Shutdown's drain, a gone client's aborts and several API
+servers (`siblings`): docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import asyncio

@@ -1,16 +1,6 @@
-"""`longserve serve --api-server-count N`: N API-server processes on one port, sharing the cores.
-
-    launcher (this process)            API server k (a process each)           engine core d
-      holds the port, starts the  ->    binds the port too (SO_REUSEPORT: the   DEALER k, PUSH k
-      cores, then the API servers;      kernel spreads connections), LLMEngine <==> to every API
-      SIGTERM: servers, then cores      with FrontEnd(k): ROUTER k, PULL k        server
-
-Each API server is a whole front end (parsing, tokenizer, detokenizer, SSE, the DP balancer over
-every core's reported load) on a GIL of its own; a core sends a request's outputs back to the
-API server that sent it. Metrics: prometheus_client's multiprocess mode in a temporary folder,
-so a scrape of any API server sums them all. /health is 200 only once every API server is up
-(each writes `ready-<k>` there) and none died (pidfds), nor any core. SIGTERM / Ctrl-C: the API
-servers drain (uvicorn), then the cores stop; the launcher exits when all have."""
+"""`longserve serve --api-server-count N`: a launcher holds the port and starts the cores, then N
+API-server processes that bind the port too (SO_REUSEPORT), each a whole front end on the same
+cores (docs/architecture.md, 'Several API servers': routing, metrics, /health, SIGTERM)."""
 from __future__ import annotations
 
 import logging

@@ -1,10 +1,6 @@
-"""GET /metrics under vLLM's metric names: what the API servers count, and the engine cores' load.
-
-`ServerMetrics`: counters and histograms of requests and tokens, counted by the front end as
-outputs arrive (prometheus_client metrics; with several API-server processes they live in
-PROMETHEUS_MULTIPROC_DIR and a scrape of any process sums them all). `EngineCollector`: what
-the engine cores report (running, waiting, KV usage, prefix-cache totals), read at scrape time;
-every API server hears every core, so these are not summed over processes."""
+"""GET /metrics under vLLM's metric names. `ServerMetrics`: requests and tokens, counted by the
+front end (with several API servers, in PROMETHEUS_MULTIPROC_DIR: a scrape sums them all).
+`EngineCollector`: the cores' load at scrape time (every API server hears every core: not summed)."""
 from __future__ import annotations
 
 import os
