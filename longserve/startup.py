@@ -37,6 +37,10 @@ def describe(path: list[tuple[str, float]], ranks: dict) -> str:
     return text + "".join(f"; rank {r}: {fmt(p)}" for r, p in sorted(ranks.items()))
 
 
+def cache_dir() -> str:
+    return os.environ.get("LONGSERVE_CACHE", os.path.expanduser("~/.cache/longserve"))
+
+
 def use_kernel_cache() -> None:
     """Triton's compiled kernels under LONGSERVE_CACHE (kept across restarts, one folder per
     Triton and torch version; Triton keys each kernel by GPU and source itself), unless the
@@ -46,5 +50,4 @@ def use_kernel_cache() -> None:
         versions = f"triton-{version('triton')}-torch-{version('torch')}"
     except PackageNotFoundError:
         return  # no Triton: no kernels to cache
-    root = os.environ.get("LONGSERVE_CACHE", os.path.expanduser("~/.cache/longserve"))
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "kernels", versions))
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir(), "kernels", versions))

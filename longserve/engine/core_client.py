@@ -94,10 +94,10 @@ def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddres
     return proc
 
 
-def dp_addresses(par) -> tuple[str, str, str]:
-    """(commands, outputs, expert-model rendezvous): the rpc port and the next two."""
+def dp_addresses(par) -> CoreAddresses:
+    """Commands, outputs and an expert model's rendezvous on the rpc port and the next two."""
     host, port = par.data_parallel_address, par.data_parallel_rpc_port
-    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", f"tcp://{host}:{port + 2}"
+    return CoreAddresses([f"tcp://{host}:{port}"], [f"tcp://{host}:{port + 1}"], f"tcp://{host}:{port + 2}")
 
 
 def local_dp_ranks(par) -> range:
@@ -228,10 +228,9 @@ class MPClient:
             self.pull.bind(addresses.outputs[k])
             return addresses
         if par.data_parallel_rpc_port:  # fixed ports: cores of other hosts connect to them
-            cmd, out, dist_init = dp_addresses(par)
             self.router.bind(f"tcp://*:{par.data_parallel_rpc_port}")
             self.pull.bind(f"tcp://*:{par.data_parallel_rpc_port + 1}")
-            return CoreAddresses([cmd], [out], dist_init)
+            return dp_addresses(par)
         host = "127.0.0.1"
         cmd_port = self.router.bind_to_random_port(f"tcp://{host}")
         out_port = self.pull.bind_to_random_port(f"tcp://{host}")
@@ -377,11 +376,10 @@ def run_headless(config: EngineConfig) -> int:
     par = config.parallel
     if not par.data_parallel_rpc_port:
         raise ValueError("--headless needs --data-parallel-rpc-port (and --data-parallel-address)")
-    cmd, out, dist_init = dp_addresses(par)
-    ranks = local_dp_ranks(par)
-    procs = list(start_local_cores(config, CoreAddresses([cmd], [out], dist_init)).values())
-    logger.info("headless: engine cores %s of %d connect to %s", list(ranks),
-                par.data_parallel_size, cmd)
+    addresses = dp_addresses(par)
+    procs = list(start_local_cores(config, addresses).values())
+    logger.info("headless: engine cores %s of %d connect to %s", list(local_dp_ranks(par)),
+                par.data_parallel_size, addresses.inputs[0])
 
     def stop(signum, frame):
         for p in procs:

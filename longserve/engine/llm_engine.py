@@ -231,10 +231,7 @@ class LLMEngine:
         return self.coordinator.total("num_running")
 
     @property
-    def num_waiting(self) -> int:
-        """Requests waiting in the cores or on their way to them, from every front end as the
-        cores last reported, plus this one's that they had not taken by then (racy: admission
-        and gauges)."""
+    def num_waiting(self) -> int:  # racy: admission and gauges
         return self.coordinator.num_waiting()
 
     def kv_cache_usage(self) -> float:

@@ -13,6 +13,7 @@ from longserve.config import ModelConfig
 from longserve.models.gguf_loader import gguf_hf_config, is_gguf
 from longserve.models.loader import checkpoint_shapes
 from longserve.models.smollm2 import smollm2_path
+from longserve.startup import cache_dir
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, a real trained model (GGUF)
 
@@ -81,10 +82,6 @@ Tensor parallelism splits the heads and the matrices; data parallelism splits th
 Once upon a time there was a small engine that could read a million tokens and answer.
 def add(a, b):\n    return a + b\nprint(add(2, 3))\n0123456789 !?.,;:'"()[]{}<>-_=+*/%&|^~#@$
 """
-
-
-def cache_dir() -> str:
-    return os.environ.get("LONGSERVE_CACHE", os.path.expanduser("~/.cache/longserve"))
 
 
 def model_config(path: str) -> ModelConfig:
