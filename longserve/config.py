@@ -99,11 +99,9 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ValueError(f"{config_file} must hold a JSON object, got {type(hf).__name__}")
         try:
-            cfg = cls.from_hf_dict(path, hf)
+            return cls.from_hf_dict(path, hf)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{config_file}: missing or malformed field {e}") from None
-        cfg.check(config_file)
-        return cfg
 
     def check(self, source: str) -> None:
         rs = self.rope_scaling
@@ -127,6 +125,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, path: str, hf: dict) -> "ModelConfig":
+        """Checked (`check`), naming `path` (a GGUF file, else the folder's config.json)."""
         archs = hf.get("architectures") or []
         archs = [archs] if isinstance(archs, str) else archs
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -144,7 +143,7 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-        return cls(
+        cfg = cls(
             **moe_fields(arch, hf), path=path, architecture=arch, vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"], num_heads=num_heads,
@@ -160,6 +159,8 @@ class ModelConfig:
             eos_token_ids=eos_ids, bos_token_id=hf.get("bos_token_id"),
             checkpoint_dtype=parse_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             kv_sharing={int(k): int(v) for k, v in (hf.get("longserve_kv_sharing") or {}).items()})
+        cfg.check(source)
+        return cfg
 
 
 def moe_fields(arch: str, hf: dict) -> dict:

@@ -88,9 +88,7 @@ def model_config(path: str) -> ModelConfig:
     """The ModelConfig of an HF folder or of a GGUF file (from its metadata)."""
     if not is_gguf(path):
         return ModelConfig.from_pretrained(path)
-    cfg = ModelConfig.from_hf_dict(path, gguf_hf_config(path))
-    cfg.check(path)
-    return cfg
+    return ModelConfig.from_hf_dict(path, gguf_hf_config(path))
 
 
 def resolve_model(model: str, seed: int = 0) -> str:
