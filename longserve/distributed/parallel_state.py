@@ -199,7 +199,8 @@ def all_reduce_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = 
 
 def all_to_all_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
     """x [world_size, ...]: x[j] goes to rank j; rank j's piece for this rank lands at [j]."""
-    x, out = x.contiguous(), torch.empty_like(x)
+    x = x.contiguous()
+    out = torch.empty_like(x)  # of the contiguous x: empty_like keeps a permuted x's strides
     return _waiter(dist.all_to_all_single(out, x, group=group.device_group, async_op=async_op), out)
 
 
