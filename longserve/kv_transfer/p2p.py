@@ -394,23 +394,25 @@ class P2pConnectorWorker:
                 remote = KVLayout(**info["layout"])
                 ranks = {p.remote_rank for p in plan_kv_pieces(self.layout, remote, self.rank)}
                 for remote_rank in sorted(ranks):
-                    self._connect_pair(store, info["engine_id"], remote_rank)
+                    with self._pair(info["engine_id"], remote_rank) as pair:
+                        post_pull(store, info["engine_id"], remote_rank, {"connect": True, "pair": pair})
+                        self.groups.get(store, pair, 1)
             except Exception as e:  # noqa: BLE001 - the first pull builds them instead
                 log.warning("could not connect to the producer at %s: %s", addr, e)
 
-    def _connect_pair(self, store, engine_id: str, remote_rank: int) -> None:
-        pair_id = self._pair_id(engine_id, remote_rank)
+    @contextlib.contextmanager
+    def _pair(self, engine_id: str, remote_rank: int):
+        """The pair's group name, held (a pair's tags carry one pull at a time); a failure
+        drops its group, and the next use starts afresh under a new epoch."""
+        pair_id = f"{engine_id}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
         with self.pair_locks.setdefault(pair_id, threading.Lock()):
             pair = f"{pair_id}/{self.epochs[pair_id]}"
-            post_pull(store, engine_id, remote_rank, {"connect": True, "pair": pair})
             try:
-                self.groups.get(store, pair, 1)
+                yield pair
             except Exception:
-                self.epochs[pair_id] += 1  # a pull starts afresh under a new name
+                self.groups.drop(pair)
+                self.epochs[pair_id] += 1
                 raise
-
-    def _pair_id(self, engine_id: str, remote_rank: int) -> str:
-        return f"{engine_id}/{remote_rank}/{self.kvt.engine_id}/{self.rank}"
 
     def _store_at(self, host: str, port: int):
         if (host, port) not in self.stores:
@@ -427,44 +429,38 @@ class P2pConnectorWorker:
             by_rank[piece.remote_rank].append(piece)
         rng = PieceRange(spec.start, spec.end, tuple(p["remote_block_ids"]), tuple(spec.block_ids))
         for remote_rank, mine in sorted(by_rank.items()):
-            pair_id = self._pair_id(p["remote_engine_id"], remote_rank)
-            # a pair's tags carry one pull at a time
-            with self.pair_locks.setdefault(pair_id, threading.Lock()):
-                self._pull(store, p, remote_rank, pair_id, mine, remote, rng, times)
+            with self._pair(p["remote_engine_id"], remote_rank) as pair:
+                held = self._pull(store, p, remote_rank, pair, mine, remote, rng, times)
+            if not held:
+                raise RuntimeError("gone: the producer no longer holds the request's KV")
 
-    def _pull(self, store, p: dict, remote_rank: int, pair_id: str, pieces: list, remote: KVLayout,
-              rng: PieceRange, times: dict) -> None:
-        """times: seconds in group set-up, control (post + the producer's status) and the
-        payloads (receive + unpack), added up over the producer ranks."""
-        pair = f"{pair_id}/{self.epochs[pair_id]}"
+    def _pull(self, store, p: dict, remote_rank: int, pair: str, pieces: list, remote: KVLayout,
+              rng: PieceRange, times: dict) -> bool:
+        """Whether the producer still held the request (then its pieces are in place). times:
+        seconds in group set-up, control (post + the producer's status) and the payloads
+        (receive + unpack), added up over the producer ranks."""
         chunk = max(1, len(self.caches) // 4)
         t0 = time.perf_counter()
         post_pull(store, p["remote_engine_id"], remote_rank, dict(
             req_id=p["remote_request_id"], pair=pair, pieces=pieces, start=rng.start, end=rng.end,
             receiver=asdict(self.layout), layers_per_chunk=chunk,
             kv_scales=[self._piece_scales(q.local_head, q.num_heads) for q in pieces]))
-        try:
-            t1 = time.perf_counter()
-            group = self.groups.get(store, pair, 1)
-            t2 = time.perf_counter()
-            status = torch.zeros(1, dtype=torch.int64, device=self.device)
-            wait_work(group.recv([status], 0, 0), self.kvt.kv_transfer_timeout_s, self.device)
-            if status.item() == SCALES_DIFFER:
-                raise RuntimeError("refused: the producer's FP8 KV cache scales differ from this "
-                                   "instance's (not the same weights?)")
-            held = status.item() == HELD
-            t3 = time.perf_counter()
-            if held:
-                self._recv_pieces(group, pieces, remote, rng, chunk)
-        except Exception:
-            self.groups.drop(pair)
-            self.epochs[pair_id] += 1
-            raise
+        t1 = time.perf_counter()
+        group = self.groups.get(store, pair, 1)
+        t2 = time.perf_counter()
+        status = torch.zeros(1, dtype=torch.int64, device=self.device)
+        wait_work(group.recv([status], 0, 0), self.kvt.kv_transfer_timeout_s, self.device)
+        if status.item() == SCALES_DIFFER:
+            raise RuntimeError("refused: the producer's FP8 KV cache scales differ from this "
+                               "instance's (not the same weights?)")
+        held = status.item() == HELD
+        t3 = time.perf_counter()
+        if held:
+            self._recv_pieces(group, pieces, remote, rng, chunk)
         times["setup_s"] += t2 - t1
         times["control_s"] += (t1 - t0) + (t3 - t2)
         times["pull_s"] += time.perf_counter() - t3
-        if not held:
-            raise RuntimeError("gone: the producer no longer holds the request's KV")
+        return held
 
     def _recv_pieces(self, group, pieces: list, remote: KVLayout, rng: PieceRange, chunk: int) -> None:
         row_bytes = self.caches[0].shape[-1]  # one head's row of one token (caches are bytes)
