@@ -273,9 +273,6 @@ def test_request_memory_errors():
     busy = MemorySnapshot(total=80 * GiB, free=40 * GiB)
     with pytest.raises(ValueError, match=r"\(40.00 GiB\) is less than the requested 72.00 GiB"):
         request_memory(busy, CacheConfig(gpu_memory_utilization=0.9))
-    for util in (0.0, -0.5, 1.5):
-        with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
-            request_memory(busy, CacheConfig(gpu_memory_utilization=util))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="no /proc/meminfo")

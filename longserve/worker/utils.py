@@ -259,10 +259,9 @@ class MemorySnapshot:
 
 
 def request_memory(init_snapshot: MemorySnapshot, cache_config: CacheConfig) -> int:
-    """Bytes the engine may take: total * gpu_memory_utilization, which must be free now."""
+    """Bytes the engine may take: total * gpu_memory_utilization (EngineArgs checked it), which
+    must be free now."""
     util = cache_config.gpu_memory_utilization
-    if not 0 < util <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
     requested = int(init_snapshot.total * util)
     if init_snapshot.free < requested:
         raise ValueError(f"free memory on device ({init_snapshot.free / GiB:.2f} GiB) is less than the"
