@@ -243,8 +243,9 @@ class P2pConnectorWorker:
     def _same_scales(self, msg: dict) -> bool:
         """Whether the consumer dequantizes the pieces' heads with this producer's scales."""
         theirs = msg.get("kv_scales") or [None] * len(msg["pieces"])
-        return all(_equal_or_none(self._piece_scales(p.remote_head, p.num_heads), s)
-                   for p, s in zip(msg["pieces"], theirs))
+        mine = [self._piece_scales(p.remote_head, p.num_heads) for p in msg["pieces"]]
+        return all((a is None) == (b is None) and (a is None or torch.equal(a, b))
+                   for a, b in zip(mine, theirs))
 
     # ---- worker API --------------------------------------------------------------------
     def start_load_kv(self, meta: P2pMeta | None) -> None:
@@ -479,10 +480,6 @@ class P2pConnectorWorker:
         self.groups.recv_all(group, [buffer(*part) for part in parts], consume, first_tag=1)
         if self.device.type == "cuda":  # the pull's time is until the KV is in place
             torch.cuda.synchronize(self.device)
-
-
-def _equal_or_none(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _inject_fault(groups: PairGroups, pair: str) -> None:
