@@ -3,7 +3,7 @@ minus `prefix`, the decode of the window's tokens already read; nothing is emitt
 is an incomplete UTF-8 sequence; stop strings are searched in the new text plus an overlap only."""
 from __future__ import annotations
 
-WINDOW = 4  # tokens decoded again each step before the window moves up (one decode a step, not two)
+WINDOW = 4  # read tokens the window holds before it moves up (one decode a step, a second then)
 
 
 class IncrementalDetokenizer:
@@ -20,7 +20,7 @@ class IncrementalDetokenizer:
         if len(full) <= len(self.prefix) or full.endswith("\ufffd"):
             return ""
         new = full[len(self.prefix):]
-        if self.read_offset - self.prefix_offset >= WINDOW:  # the last read tokens give the context
+        if self.read_offset - self.prefix_offset >= WINDOW:  # (the last read ones: the context)
             self.prefix_offset, full = self.read_offset, self.decode(token_ids[self.read_offset:])
         self.read_offset, self.prefix = len(token_ids), full
         self.text += new
