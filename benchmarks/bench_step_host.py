@@ -15,7 +15,7 @@ the engine's functions split each decode-only step (median over steps, ms):
   other    : the rest of the step (the executor's and the runner's own code)
   host     : the step but forward and sample: the per-step host work that bounds a multi-GPU step
 
-    python benchmarks/bench_step_host.py --batches 128 512
+    python benchmarks/bench_step_host.py --batches 128 512 --repeat 3   # median of 3 runs a part
     PYTHONPATH=/tmp/old python benchmarks/bench_step_host.py   # another checkout: before
 """
 import argparse
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--no-stop", dest="stop", action="store_false", help="no stop strings")
+    ap.add_argument("--repeat", type=int, default=1, help="runs a batch; each part's median of them")
     ap.add_argument("--profile", action="store_true", help="cProfile the largest batch's run")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -129,8 +130,9 @@ def main() -> None:
             prof = cProfile.Profile()
             r = prof.runcall(run, b, args)
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-        else:
-            r = run(b, args)
+        else:  # (a shared machine: the median of several runs, part by part)
+            runs = [run(b, args) for _ in range(args.repeat)]
+            r = {p: statistics.median(x[p] for x in runs) for p in runs[0]}
         print(f"| {b} | " + " | ".join(f"{r[p]:.2f}" for p in PARTS + ("other", "host", "step")) + " |",
               flush=True)
 

@@ -44,12 +44,6 @@ class DecodeRows:
     seed_offsets: list[int] = field(default_factory=list)  # tokens sampled before this one
     new_blocks: dict[int, list[int]] = field(default_factory=dict)
 
-    def as_requests(self) -> list[ScheduledRequest]:
-        return [ScheduledRequest(rid, [t], c, self.new_blocks.get(i, []), False, True,
-                                 seed_offset=o)
-                for i, (rid, c, t, o) in enumerate(zip(self.req_ids, self.num_computed,
-                                                       self.token_ids, self.seed_offsets))]
-
 
 @dataclass
 class SchedulerOutput:
@@ -77,7 +71,10 @@ class SchedulerOutput:
     def all_requests(self) -> list[ScheduledRequest]:
         """Every request as a ScheduledRequest, the decode rows too (for readers off the hot
         path: KV connectors, tests)."""
-        return self.decodes.as_requests() + self.requests
+        d = self.decodes
+        return [ScheduledRequest(rid, [t], c, d.new_blocks.get(i, []), False, True, seed_offset=o)
+                for i, (rid, c, t, o) in enumerate(zip(d.req_ids, d.num_computed, d.token_ids,
+                                                       d.seed_offsets))] + self.requests
 
     @property
     def is_empty(self) -> bool:

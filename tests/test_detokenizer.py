@@ -2,7 +2,7 @@
 the full decode, never ends in a split character, and the rest at finish completes it."""
 from hypothesis import given, settings, strategies as st
 
-from longserve.engine.detokenizer import IncrementalDetokenizer
+from longserve.engine.detokenizer import WINDOW, IncrementalDetokenizer
 from longserve.tokenizer import folder_tokenizer
 from longserve.models.builtin import resolve_model
 
@@ -49,3 +49,14 @@ def test_a_character_over_several_tokens_comes_out_whole():
     assert len(ids) > 1  # the emoji's 4 bytes are separate tokens in this small vocabulary
     detok = IncrementalDetokenizer(decode)
     assert [detok.update(ids[:i + 1]) for i in range(len(ids))] == [""] * (len(ids) - 1) + ["😀"]
+
+
+def test_a_steady_stream_decodes_its_window_once_a_step():
+    """One token a step: one decode of a few tokens, and a second only when the window moves up."""
+    ids = TOKENIZER.encode("the fox, the fox " * 10, add_special_tokens=False).ids
+    lengths = []
+    detok = IncrementalDetokenizer(lambda t: lengths.append(len(t)) or decode(t))
+    for i in range(1, len(ids) + 1):
+        detok.update(ids[:i])
+    assert detok.text == decode(ids)
+    assert len(lengths) <= len(ids) * (1 + 1 / WINDOW) + 1 and max(lengths) <= WINDOW + 1

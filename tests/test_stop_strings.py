@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from longserve import LLM, SamplingParams
 from longserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from longserve.engine.messages import EngineCoreRequest
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +106,25 @@ def test_incremental_text_equals_the_whole_decode(llm, ids):
 ])
 def test_find_stop_looks_at_the_tail(text, new, stops, want):
     assert find_stop(text, new, stops) == want
+
+
+def test_streamed_deltas_of_a_mixed_batch_join_into_the_final_outputs(llm, pool_whole):
+    """Requests with and without stop strings, streamed side by side: each one's deltas join into
+    the tokens, text and end that generate() gives it, and only its last delta ends it."""
+    prompts = [[1, 30 + i, 31 + i, 32 + i] for i in range(6)]
+    free = [run(llm, p, greedy(20)) for p in prompts]
+    stops = [None, [free[1].text[5:8]], ["\x00never"], None, [free[4].text[-3:]],
+             ["\x00never", free[5].text[2:4]]]
+    params = [greedy(20, stop=s if s and all(x.strip() for x in s) else None) for s in stops]
+    want = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                               use_tqdm=False)]
+    streams = [llm.engine.add_request(EngineCoreRequest(f"mix-{i}", p, sp))
+               for i, (p, sp) in enumerate(zip(prompts, params))]
+    for stream, w in zip(streams, want):
+        deltas = list(stream)
+        assert sum((d.token_ids for d in deltas), []) == w.token_ids
+        assert "".join(d.text for d in deltas) == w.text
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == (w.finish_reason, w.stop_reason)
+    assert {w.finish_reason for w in want} == {"length", "stop"}  # both ends are in the mix
+    pool_whole(llm)

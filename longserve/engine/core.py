@@ -190,32 +190,32 @@ class EngineCore:
         return self._outputs(out, failed + finished)
 
     def _outputs(self, out, finished: list[Request]) -> list[EngineCoreOutput]:
-        """What each request of the applied plan gained, and every finished request's end."""
-        done = {r.request_id: r for r in finished}
+        """What each sampling request of the applied plan gained (a token at most: nothing when
+        it was applied without results), then every finished request's end."""
         outputs, requests, num_sent = [], self.scheduler.requests, self._num_sent
-        for req_id in dict.fromkeys(out.req_ids() + list(done)):
-            req = requests.get(req_id) or done.get(req_id)
-            sent = num_sent.get(req_id)
-            if req is None or sent is None:
-                continue  # aborted meanwhile: the front end already ended it
-            new = req.output_token_ids[sent:]
-            if new or req_id in done:
-                outputs.append(self._output(req, sent, new, req_id in done))
-        return outputs
+        ended = {r.request_id for r in finished}
+        for req_id in out.sampling_req_ids():
+            req, sent = requests.get(req_id), num_sent.get(req_id)
+            if req is not None and sent is not None and len(req.output_token_ids) > sent \
+                    and req_id not in ended:  # (else aborted meanwhile, or ending below)
+                outputs.append(self._output(req, sent, False))
+        return outputs + [self._output(r, num_sent[r.request_id], True)
+                          for r in finished if r.request_id in num_sent]
 
-    def _output(self, req: Request, sent: int, new: list[int], finished: bool) -> EngineCoreOutput:
-        params = req.sampling_params
+    def _output(self, req: Request, sent: int, finished: bool) -> EngineCoreOutput:
+        params, new = req.sampling_params, req.output_token_ids[sent:]
         o = EngineCoreOutput(req.request_id, new)
         if params.logprobs is not None:
             o.new_logprobs = req.logprobs[sent:sent + len(new)]
-        if params.prompt_logprobs is not None and sent == 0 and (new or finished):
+        if params.prompt_logprobs is not None and sent == 0:
             o.prompt_logprobs = list(req.prompt_logprobs)
-        self._num_sent[req.request_id] = sent + len(new)
-        if finished:
-            del self._num_sent[req.request_id]
-            o.finish_reason, o.stop_reason = req.finish_reason or "abort", req.stop_reason
-            o.kv_transfer_params, o.error = req.kv_transfer_params, req.error
-            o.num_preemptions = req.num_preemptions
+        if not finished:
+            self._num_sent[req.request_id] = sent + len(new)
+            return o
+        del self._num_sent[req.request_id]
+        o.finish_reason, o.stop_reason = req.finish_reason or "abort", req.stop_reason
+        o.kv_transfer_params, o.error = req.kv_transfer_params, req.error
+        o.num_preemptions = req.num_preemptions
         return o
 
     def failure_reason(self, e: BaseException) -> str:

@@ -1,7 +1,9 @@
 """Incremental detokenization and stop strings: the new text is decode(tokens[prefix_offset:])
-minus decode(tokens[prefix_offset:read_offset]); nothing is emitted while the tail is an
-incomplete UTF-8 sequence; stop strings are searched in the new text plus an overlap only."""
+minus `prefix`, the decode of the window's tokens already read; nothing is emitted while the tail
+is an incomplete UTF-8 sequence; stop strings are searched in the new text plus an overlap only."""
 from __future__ import annotations
+
+WINDOW = 4  # read tokens the window holds before it moves up (one decode a step, a second then)
 
 
 class IncrementalDetokenizer:
@@ -10,15 +12,17 @@ class IncrementalDetokenizer:
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = 0
+        self.prefix = ""  # decode(token_ids[prefix_offset:read_offset])
 
     def update(self, token_ids: list[int]) -> str:
         """Bring `text` up to date with `token_ids`; returns the text added."""
-        prefix = self.decode(token_ids[self.prefix_offset:self.read_offset])
         full = self.decode(token_ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(self.prefix) or full.endswith("\ufffd"):
             return ""
-        new = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        new = full[len(self.prefix):]
+        if self.read_offset - self.prefix_offset >= WINDOW:  # (the last read ones: the context)
+            self.prefix_offset, full = self.read_offset, self.decode(token_ids[self.read_offset:])
+        self.read_offset, self.prefix = len(token_ids), full
         self.text += new
         return new
 

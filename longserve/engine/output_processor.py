@@ -115,6 +115,7 @@ class RequestState:
     engine_index: int
     holdback: int  # chars kept back while a stop string could still begin in them
     choices: list[Choice]
+    streams: bool  # the sink takes deltas (a RequestStream)
     prompt_logprobs: list | None = None
     prompt_ranks: list | None = None
     first_token_time: float | None = None
@@ -141,7 +142,7 @@ class OutputProcessor:
         choices = [Choice(i, IncrementalDetokenizer(self.decode) if streams or stops else None)
                    for i in range(request.sampling_params.n)]
         state = RequestState(request, sink, engine_index, max(map(len, stops)) - 1 if stops else 0,
-                             choices)
+                             choices, streams)
         with self._lock:
             self._states[request.request_id] = state
             self._choices.update((cid, (state, c)) for cid, c in zip(request.choice_ids, choices))
@@ -155,11 +156,14 @@ class OutputProcessor:
                 state, choice = self._choices.get(o.request_id, (None, None))
                 if state is None:
                     continue  # ended here already (stop string, abort)
-                finished = self._update(state, choice, o, now)
-                if finished and o.finish_reason is None:
-                    stopped.append(o.request_id)
-                deliveries.append(self._finish(state, choice, o, now) if finished
-                                  else (state.sink, self._delta(state, choice)))
+                if self._update(state, choice, o, now):
+                    if o.finish_reason is None:
+                        stopped.append(o.request_id)
+                    deliveries.append(self._finish(state, choice, o, now))
+                elif state.streams and choice.num_sent < len(choice.output_token_ids):
+                    text, upto = choice.detokenizer.text, len(choice.detokenizer.text) - state.holdback
+                    deliveries.append((state.sink, self._stream_output(
+                        state, choice, text[choice.text_sent:upto] if upto > choice.text_sent else "")))
         _deliver([d for d in deliveries if d[1] is not None])
         return stopped
 
@@ -185,13 +189,6 @@ class OutputProcessor:
                 choice.text, choice.stop_string = choice.detokenizer.text[:keep], stop
                 return True
         return o.finish_reason is not None
-
-    def _delta(self, state: RequestState, choice: Choice) -> StreamOutput | None:
-        if not isinstance(state.sink, RequestStream) or choice.num_sent == len(choice.output_token_ids):
-            return None
-        upto = len(choice.detokenizer.text) - state.holdback
-        text = choice.detokenizer.text[choice.text_sent:upto] if upto > choice.text_sent else ""
-        return self._stream_output(state, choice, text)
 
     def _stream_output(self, state: RequestState, choice: Choice, text: str) -> StreamOutput:
         params, n = state.request.sampling_params, len(choice.output_token_ids)
@@ -222,7 +219,7 @@ class OutputProcessor:
             del self._states[state.request.request_id]
             if self.metrics is not None:
                 self.metrics.request_done(state.num_preemptions, now - state.request.arrival_time)
-        if isinstance(state.sink, RequestStream):
+        if state.streams:
             out = self._stream_output(state, choice, text[choice.text_sent:])
             out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
             out.kv_transfer_params, out.error = o.kv_transfer_params, o.error

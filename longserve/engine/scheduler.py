@@ -333,7 +333,7 @@ class Scheduler:
                 req.finish_reason, req.stop_reason = "stop", token
                 return True
         if ((params.max_tokens is not None and n_out >= params.max_tokens)
-                or req.num_tokens >= self.config.max_model_len):
+                or len(req.prompt_token_ids) + n_out >= self.config.max_model_len):
             req.finish_reason = "length"
             return True
         return False
