@@ -71,8 +71,11 @@ def test_piecewise_equals_eager_bit_for_bit(model, monkeypatch, pool_whole):
 
 
 @pytest.mark.timeout(180)
-def test_piecewise_tp2_gives_the_tokens_of_one_rank(monkeypatch):
-    """TP=2 (gloo): the all-reduces inside the segments; tokens and logprobs of one rank."""
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(prefill_context_parallel_size=2)])
+def test_piecewise_layouts_give_the_tokens_of_one_rank(monkeypatch, layout):
+    """TP=2 (gloo): the all-reduces inside the segments; PCP=2: the collectives in attention
+    between them, the ranks' equal token counts; tokens and logprobs of one rank."""
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=5, ignore_eos=True)
     ps = prompts(3, (30, 55, 12))
     kw = dict(device="cpu", max_num_batched_tokens=BUDGET, max_num_seqs=4)
@@ -82,7 +85,7 @@ def test_piecewise_tp2_gives_the_tokens_of_one_rank(monkeypatch):
     finally:
         ref_llm.shutdown()
     monkeypatch.setenv("LONGSERVE_PIECEWISE", "eager")
-    llm = LLM("builtin:qwen3-tiny", tensor_parallel_size=2, **kw)
+    llm = LLM("builtin:qwen3-tiny", **layout, **kw)
     try:
         outs = llm.generate(ps, params, use_tqdm=False)
         assert llm.engine.core.executor.driver.runner.piecewise.num_steps >= 3
@@ -104,7 +107,7 @@ def test_layouts_without_piecewise_graphs_run_eagerly(monkeypatch):
     assert why() is None and why(tensor_parallel_size=2, decode_context_parallel_size=2) is None
     assert "expert" in why("builtin:qwen3-moe-tiny")
     assert "sequence" in why(tensor_parallel_size=2, enable_sequence_parallel=True)
-    assert "PCP" in why(prefill_context_parallel_size=2)
+    assert why(prefill_context_parallel_size=2, tensor_parallel_size=2) is None
     monkeypatch.setenv("LONGSERVE_PIECEWISE", "eager")
     llm = LLM("builtin:qwen3-moe-tiny", device="cpu")
     try:

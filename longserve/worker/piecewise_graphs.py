@@ -35,9 +35,7 @@ def piecewise_unsupported(config) -> str | None:
         return "expert layers: only decode steps replay graphs"
     if par.enable_sequence_parallel:
         return "sequence parallelism is not captured piecewise"
-    if par.prefill_context_parallel_size > 1:
-        return "PCP token counts differ per rank"
-    return None
+    return None  # (PCP: every rank holds P / W of each prefill's padded tokens, the same count)
 
 
 def build_piecewise(config, model, device, pool=None) -> PiecewiseGraphs | None:
