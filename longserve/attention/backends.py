@@ -107,12 +107,13 @@ class TorchAttentionBackend:
 
     def prefill_attention(self, layer: Attention, q, k, v, meta: AttentionMetadata):
         k, v = self.suffix_kv_heads(layer, k, v, meta.ps)
-        out, lse = self.suffix_attention(q, k, v, meta, layer.scale, meta.prefix is not None)
         if meta.prefix is None:
-            return out
+            return self.suffix_attention(q, k, v, meta, layer.scale, False)[0]
         prefix_q = meta.ps.pcp.all_gather(q, 0) if meta.ps.pcp.world_size > 1 else q
-        p_out, p_lse = self.sharded_paged_attention(layer, prefix_q, meta.prefix, meta.ps,
-                                                    meta.ps.pcp.world_size > 1)
+        prefix = self.sharded_paged_attention(layer, prefix_q, meta.prefix, meta.ps,
+                                              meta.ps.pcp.world_size > 1, async_op=True)
+        out, lse = self.suffix_attention(q, k, v, meta, layer.scale, True)  # under the exchange
+        p_out, p_lse = prefix()
         merged = torch.empty_like(out)
         self.merge_states(merged, p_out, p_lse, out, lse)
         return merged
@@ -153,20 +154,24 @@ class TorchAttentionBackend:
         count = max(1, layer.num_heads // per_kv)
         return k[:, first:first + count], v[:, first:first + count]
 
-    def sharded_paged_attention(self, layer: Attention, q, part: PagedPart, ps, rows_split: bool):
+    def sharded_paged_attention(self, layer: Attention, q, part: PagedPart, ps, rows_split: bool,
+                                async_op: bool = False):
         """Attention of q over the cached tokens of every CP rank's shard.
 
         q [N, Hq, D] is this rank's rows, or (rows_split) the PCP all-gather of every rank's
-        rows; the result holds this rank's rows and heads again.
+        rows; the result holds this rank's rows and heads again (async_op: a function that
+        returns it, the exchange of partials left in flight until it is called).
         """
         if ps.dcp.world_size > 1:  # the DCP group's heads: they share the KV heads stored here
             q = ps.dcp.all_gather(q, 1)
         args = (q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale, layer.kv_scale)
         if ps.cp.world_size == 1:
-            return self.paged_attention(*args)
+            result = self.paged_attention(*args)
+            return (lambda: result) if async_op else result
         parts = exchange_partials(self.packed_paged_attention(*args), ps.cp, ps.dcp.world_size,
-                                  ps.pcp.world_size if rows_split else 1)
-        return self.merge_partials(parts, q.dtype)
+                                  ps.pcp.world_size if rows_split else 1, async_op=True)
+        merge = lambda: self.merge_partials(parts(), q.dtype)  # noqa: E731
+        return merge if async_op else merge()
 
     def packed_paged_attention(self, *args):
         """paged_attention's (out, lse) as one [N, H, D + 1] float32 tensor (pack_partial)."""

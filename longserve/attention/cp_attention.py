@@ -26,21 +26,24 @@ def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.cat([out.float(), lse.float().unsqueeze(-1)], -1)
 
 
-def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int = 1) -> torch.Tensor:
+def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int = 1,
+                      async_op: bool = False):
     """The CP merge's one collective, over the CP group (rank p * dcp + r).
 
     packed [N, Hg, D + 1] (`pack_partial`): this rank's partials for the same N rows as every rank;
     DCP rank r keeps the r-th 1/dcp of the Hg heads, PCP rank p the p-th 1/row_split of the rows.
-    Returns [W, N / row_split, Hg / dcp, D + 1] float32 (maybe a strided view), source rank first.
-    An all-gather when every rank keeps everything."""
+    Returns [W, N / row_split, Hg / dcp, D + 1] float32, source rank first (async_op: a
+    function that waits for it; the device waits, not the host). An all-gather when every
+    rank keeps everything."""
     (N, Hg, E), W = packed.shape, cp_group.world_size
     if N % row_split or Hg % dcp:
         raise ValueError(f"{N} rows / {Hg} heads must divide by {row_split} / dcp={dcp}")
-    if dcp == 1 and row_split == 1:
-        return cp_group.all_gather(packed, 0).view(W, N, Hg, E)
+    if dcp == 1 and row_split == 1:  # every rank keeps everything (PCP decode rows)
+        gathered = cp_group.all_gather(packed, 0).view(W, N, Hg, E)
+        return (lambda: gathered) if async_op else gathered
     parts = packed.view(row_split, N // row_split, dcp, Hg // dcp, E).transpose(1, 2)
     parts = parts.expand(W // dcp, dcp, N // row_split, Hg // dcp, E)  # rank p*dcp+r's piece
-    return cp_group.all_to_all(parts.reshape(W, N // row_split, Hg // dcp, E))
+    return cp_group.all_to_all(parts.reshape(W, N // row_split, Hg // dcp, E), async_op)
 
 
 def merge_partials(parts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
