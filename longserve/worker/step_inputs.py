@@ -164,11 +164,14 @@ def add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kern
     local_n = np.diff(local_starts)[num_decodes:]
     ctx = cp_local(torch.from_numpy(computed[num_decodes:]), layout)
     # With PCP the prefix part runs over every PCP rank's prefill rows (rank-major, all
-    # ranks hold equally many rows per request): one row group per (rank, request).
-    rows = np.tile(local_n, pcp_size)
+    # ranks hold equally many rows per request): one row group per (rank, request), or one
+    # for a lone prefill (its rows of every rank are adjacent): one gather of its shard's
+    # pages and one kernel call a layer, not pcp of each
+    reps = 1 if len(local_n) == 1 else pcp_size
+    rows = np.tile(local_n, pcp_size) if reps > 1 else local_n * pcp_size
     qsl = np.concatenate(([0], np.cumsum(rows)))
-    table = kernel_table[num_decodes:].repeat(pcp_size, 1)
-    meta.prefix = paged_part(qsl, ctx.repeat(pcp_size), table, rows.max(initial=1), device)
+    table = kernel_table[num_decodes:].repeat(reps, 1)
+    meta.prefix = paged_part(qsl, ctx.repeat(reps), table, rows.max(initial=1), device)
 
 
 def varlen_layout(segs: list[SuffixSegment], device) -> VarlenLayout:
