@@ -21,7 +21,8 @@ their decode steps; --model builtin:llama3-8b-1kv-shape is the shape where DCP s
 --batch B decodes B such prompts together: all prefilled first, then run again from the prefix
 cache so that they decode together (the steps where all B decode are timed), e.g. the
 one-KV-head shape under load: --batch 64 --tokens 32000; --profile N prints where N of those
-steps spend rank 0's host and device time.
+steps spend rank 0's host and device time (BENCH_TRACE=file.json: the profiled steps' timeline,
+read by benchmarks/trace_gaps.py).
 """
 import argparse
 import gc
@@ -63,6 +64,8 @@ def profile_steps(core, steps: int, quiet: bool = False) -> dict:
             core.step()
         torch.cuda.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    if os.environ.get("BENCH_TRACE"):  # a timeline to read: benchmarks/trace_gaps.py
+        prof.export_chrome_trace(os.environ["BENCH_TRACE"])
     events = prof.key_averages()
     # the device's own events, as the table's total: CPU ops (record_param_comms) and NCCL's
     # annotations carry their kernels' time again
@@ -81,7 +84,7 @@ def profile_steps(core, steps: int, quiet: bool = False) -> dict:
 def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0, profile_chunk: int = 0):
     """Step the core through the prompts' chunks, then their decode steps; (requests, prefill
     seconds, decode step seconds: the steps where every request decodes). profile: that many
-    such steps under the profiler; profile_chunk: the prefill step of that index under it."""
+    such steps under the profiler; profile_chunk: the prefill steps from that index under it."""
     reqs = []
     for prompt in prompts:
         req = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True))
@@ -97,8 +100,8 @@ def prefill_and_decode(engine, core, prompts, decode: int, profile: int = 0, pro
             print(f"  prefilled {sum(r.num_computed_tokens for r in reqs)} tokens at {t - t0:.1f} s "
                   f"(step {time.perf_counter() - t:.2f} s)", flush=True)
             profile_chunk -= 1
-            if profile_chunk == 0:
-                profile_steps(core, 1)
+            if profile_chunk == 0:  # three steps: the host's and the device's overlap between them
+                profile_steps(core, 3)
         elif all(1 < len(r.output_token_ids) < decode for r in reqs):
             step_times.append(time.perf_counter() - t)
             if len(step_times) == 8:  # a few steps under the profiler: launches and collectives
