@@ -80,10 +80,11 @@ class ModelConfig:
     norm_topk_prob: bool = True
     moe_layers: list[int] = field(default_factory=list)
 
+    tokenizer: str | None = None  # a folder with tokenizer.json that overrides the model's
+
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
-    tokenizer: str | None = None  # a folder with tokenizer.json that overrides the model's
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -251,12 +252,7 @@ class SchedulerConfig:
     # plan step N+1 while the device runs step N (llm.py decides where it is supported)
     async_scheduling: bool = False
 
-    def __post_init__(self):
-        # a limit below 1 would build an engine that never schedules anything
-        for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    def __post_init__(self):  # (each limit alone is checked at the door: EngineArgs)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 

@@ -156,12 +156,9 @@ class TorchAttentionBackend:
 
     def sharded_paged_attention(self, layer: Attention, q, part: PagedPart, ps, rows_split: bool,
                                 async_op: bool = False):
-        """Attention of q over the cached tokens of every CP rank's shard.
-
-        q [N, Hq, D] is this rank's rows, or (rows_split) the PCP all-gather of every rank's
-        rows; the result holds this rank's rows and heads again (async_op: a function that
-        returns it, the exchange of partials left in flight until it is called).
-        """
+        """Attention of q over every CP rank's shard of the cache. q [N, Hq, D]: this rank's rows, or
+        (rows_split) the PCP all-gather of all ranks' rows; returns this rank's rows and heads (async_op:
+        a function returning them, the exchange of partials in flight until it is called)."""
         if ps.dcp.world_size > 1:  # the DCP group's heads: they share the KV heads stored here
             q = ps.dcp.all_gather(q, 1)
         args = (q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale, layer.kv_scale)

@@ -58,10 +58,8 @@ def merge_partials(parts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor,
                       prefix_lse: torch.Tensor, suffix_output: torch.Tensor,
                       suffix_lse: torch.Tensor, output_lse: torch.Tensor | None = None) -> None:
-    """Merge two partial attentions of the same queries (e.g. cached context and new tokens).
-
-    Writes output [T, H, D] and, if given, output_lse [T, H] (natural-log LSEs). The
-    output may alias either input."""
+    """Merge two partial attentions of the same queries into output [T, H, D] and, if given,
+    output_lse [T, H] (natural log); the output may alias either input."""
     p_lse, s_lse = _clean_lse(prefix_lse), _clean_lse(suffix_lse)
     m = torch.maximum(p_lse, s_lse)
     m = torch.where(torch.isneginf(m), 0.0, m)  # both empty: weights become exp(-inf) = 0

@@ -381,8 +381,7 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
     """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]: a program per (row,
     head, 32 of head_dim), [64 splits, 32] a step, one variant up to 256 splits; cp_ranks (2-16
-    CP ranks' partials): a whole head a program (measurements: the commit log, docs/benchmarks.md).
-    """
+    CP ranks' partials): a whole head a program (measurements: the commit log, docs/benchmarks.md)."""
     num_kv_splits, T, Hq, D = o_buf.shape
     few = triton.next_power_of_2(max(num_kv_splits, 2))
     block_s, chunk_s = (few, few) if cp_ranks else (max(256, triton.next_power_of_2(num_kv_splits)), 64)
@@ -560,11 +559,8 @@ def _merge_two_kernel(
 def merge_attn_states_triton(output: torch.Tensor, prefix_out: torch.Tensor, prefix_lse: torch.Tensor,
                              suffix_out: torch.Tensor, suffix_lse: torch.Tensor,
                              output_lse: torch.Tensor | None = None) -> None:
-    """output [T, H, D] = softmax-weighted merge of two attention states over disjoint keys.
-
-    outs [T, H, D], lses [T, H] float32 (natural log). NaN / +inf lse count as -inf; a row
-    where both are -inf gets output 0 and lse -inf. output_lse, if given, gets the merged lse.
-    """
+    """output [T, H, D] = softmax-weighted merge of two attention states over disjoint keys; lses [T, H]
+    float32 (natural log), NaN / +inf counting as -inf; both -inf: output 0, lse -inf."""
     T, H, D = output.shape
     if T == 0:
         return

@@ -48,15 +48,10 @@ def process_state(pid: int) -> str:
         return "?"
 
 
-def is_timeout(e: BaseException) -> bool:
-    return "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
-
-
 class Executor:
-    """Owns the replica's first rank (in this process) and, when the replica has several
-    ranks, the other ranks' processes. An expert model's DP ranks share one torch.distributed
-    world (their expert layers span it): then this replica's ranks are `base ..
-    base + replica_size - 1` of it and `init_method` names the world's rendezvous."""
+    """Owns the replica's first rank (in this process) and its other ranks' processes. An expert
+    model's DP ranks share one world: this replica's ranks are base .. base + replica_size - 1
+    of it and `init_method` names its rendezvous."""
 
     def __init__(self, config: EngineConfig, init_method: str | None = None,
                  timeline: Timeline | None = None, started: WorkerProcs | None = None):
@@ -74,8 +69,6 @@ class Executor:
         self._closing, self._step = False, 0
         self._threads, self._owns_groups = None, False
         self._torchrun = self.world > 1 and launched_by_torchrun()
-        if config.device == "cuda" and not self._torchrun:
-            check_visible_gpus(config.parallel.replica_size)
         if self.world > 1 and not self._torchrun:
             make_room_for_process_group()
         self._threads = torch.get_num_threads()  # the driver's, restored at shutdown
@@ -163,7 +156,7 @@ class Executor:
         deadline = time.monotonic() + 2.0  # a closed connection: let the watchdog see who died
         while self.procs and self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.failure is None and is_timeout(e):
+        if self.failure is None and ("timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()):
             self.failure = self._unresponsive(what)
         if self.failure is None:
             return e
@@ -225,10 +218,8 @@ class Executor:
         return self.kv_aggregator.aggregate(self.driver.ps.model.gather_object(result))
 
     def shutdown(self) -> None:
-        """Stop the workers and free the groups, ports and memory. Idempotent. The goodbye:
-        SHUTDOWN to every rank, then all ranks close their process groups together (NCCL's
-        teardown is collective) and the workers exit by themselves; one still there after
-        min(timeout, 10 s) is killed (the last resort)."""
+        """Stop the workers and free the groups, ports and memory; idempotent. All ranks close their
+        groups together (NCCL's teardown is collective); a worker left after min(timeout, 10 s) is killed."""
         if self._closing:
             return
         self._closing = True
@@ -362,9 +353,8 @@ def make_room_for_process_group() -> None:
 
 
 def watch(ref: weakref.ref) -> None:
-    """The watchdog: poll the children (only this thread reaps them while the engine runs).
-    A dead worker records the failure and kills the workers so that rank 0's pending
-    collective fails at once."""
+    """The watchdog (the only reaper while the engine runs): a dead worker records the failure and
+    kills the others so that rank 0's pending collective fails at once."""
     while True:
         ex = ref()
         # no children (a DP rank of an expert model is a replica of one rank): nothing to watch,

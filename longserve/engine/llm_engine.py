@@ -108,7 +108,14 @@ class LLMEngine:
         req = EngineCoreRequest(f"{self._id_prefix}{next(self._ids)}", ids, params, self.config.model.eos_token_ids,
                                 time.perf_counter(), data_parallel_rank, kv_params or None, text)
         if kv_params:
-            self.check_kv_transfer_params(req)
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: the "
+                                 "prompt's KV is loaded, not computed (ask the producer for them)")
+            if self.config.kv_transfer.kv_role is None:
+                raise ValueError("kv_transfer_params need an instance started with a kv_role "
+                                 "(kv_transfer_config={'kv_role': 'kv_consumer'})")
+            from longserve.kv_transfer.p2p import validate_kv_transfer_params
+            validate_kv_transfer_params(self.config, kv_params, ids)
         return req
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -151,16 +158,6 @@ class LLMEngine:
             m = self.config.model
             self._grammars = GrammarCompiler(self.tokenizer, m.vocab_size, m.eos_token_ids)
         self._grammars.check(so)
-
-    def check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
-        if req.sampling_params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: the "
-                             "prompt's KV is loaded, not computed (ask the producer for them)")
-        if self.config.kv_transfer.kv_role is None:
-            raise ValueError("kv_transfer_params need an instance started with a kv_role "
-                             "(kv_transfer_config={'kv_role': 'kv_consumer'})")
-        from longserve.kv_transfer.p2p import validate_kv_transfer_params
-        validate_kv_transfer_params(self.config, req.kv_transfer_params, req.prompt_token_ids)
 
     # ---- requests in flight -----------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, loop=None,
@@ -256,8 +253,7 @@ class LLMEngine:
 
     @property
     def core(self):
-        """The EngineCore itself, when it runs in this process (tests and debugging: the
-        scheduler, the KV cache manager, the executor's workers)."""
+        """The EngineCore itself, when it runs in this process (tests and debugging)."""
         if not isinstance(self.client, InprocClient):
             raise RuntimeError(f"the engine cores run in processes of their own; use "
                                f"engine.call(...) or {MULTIPROCESSING}=0")

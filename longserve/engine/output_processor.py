@@ -58,15 +58,11 @@ class RequestStream:
         self.request_id, self.loop, self.n = request_id, loop, n
         self.queue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
 
-    def _drain(self, first) -> list:
+    def _take(self, first):
+        """`first` and what queued up behind it: (one merged StreamOutput per choice, an error or None)."""
         items = [first]
         while not self.queue.empty():
             items.append(self.queue.get_nowait())
-        return items
-
-    @staticmethod
-    def _combine(items: list):
-        """(one merged StreamOutput per choice, an error or None)."""
         merged: dict[int, StreamOutput] = {}
         for out in items:
             if isinstance(out, StreamOutput):
@@ -76,7 +72,7 @@ class RequestStream:
     def __iter__(self):
         left = self.n
         while left:
-            outs, error = self._combine(self._drain(self.queue.get()))
+            outs, error = self._take(self.queue.get())
             yield from outs
             left -= sum(o.finished for o in outs)
             if left and error is not None:
@@ -86,7 +82,7 @@ class RequestStream:
         """On a loop: lists of what queued up since the last (one merged delta per choice)."""
         left = self.n
         while left:
-            outs, error = self._combine(self._drain(await self.queue.get()))
+            outs, error = self._take(await self.queue.get())
             yield outs
             left -= sum(o.finished for o in outs)
             if left and error is not None:

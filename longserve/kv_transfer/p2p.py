@@ -59,7 +59,7 @@ def host_store(config):
 
 def validate_kv_transfer_params(config, p, prompt_token_ids: list[int]) -> None:
     """At the door: a consumer's params must come from a producer of this model and prompt."""
-    if not isinstance(p, dict) or not p.get("do_remote_prefill"):
+    if not p.get("do_remote_prefill"):  # (a dict: the door checked)
         return
     role = config.kv_transfer.kv_role
     if role not in ("kv_consumer", "kv_both"):

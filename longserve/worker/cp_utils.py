@@ -68,12 +68,9 @@ class PCPManager:
                          num_scheduled_tokens: np.ndarray, num_computed_tokens: np.ndarray,
                          arange_np: np.ndarray, reorder_batch_threshold: int | None,
                          ) -> tuple[int, np.ndarray, np.ndarray]:
-        """Overwrite positions_np / req_indices (global, request order) with this rank's tokens.
-
-        The arrays need room for `local_total` entries, which can exceed the step's real
-        token count (pads): pass the persistent buffers, not slices of length sum(n).
-        Returns (local_total, positions_np[:local_total], req_indices[:local_total]).
-        """
+        """Overwrite positions_np / req_indices (global, request order) with this rank's tokens; returns
+        (local_total, positions_np[:local_total], req_indices[:local_total]). local_total may exceed
+        the real token count (pads): pass the persistent buffers, not slices of length sum(n)."""
         if reorder_batch_threshold is None:
             raise ValueError("PCP needs reorder_batch_threshold (decodes first, then prefills) "
                              "to tell decodes from prefills; got None")
@@ -197,10 +194,8 @@ class PCPManager:
 
     def restore_hidden_states(self, hidden_states: torch.Tensor,
                               num_tokens_unpadded: int) -> torch.Tensor:
-        """[>= local_total, ...] local rows -> [num_real, ...] every real token, request order.
-
-        `num_tokens_unpadded` is this rank's token count before CUDA-graph padding
-        (local_total); rows past it never enter the gather."""
+        """[>= local_total, ...] local rows -> [num_real, ...] every real token, request order; rows past
+        `num_tokens_unpadded` (before CUDA-graph padding) never enter the gather."""
         if num_tokens_unpadded != self.local_total:
             raise ValueError(f"restore_hidden_states got {num_tokens_unpadded} local tokens; "
                              f"partition_inputs gave this rank {self.local_total}")
@@ -212,12 +207,9 @@ class PCPManager:
 
 def check_attention_cp_compatibility(parallel_config: ParallelConfig, backends: list[type],
                                      num_speculative_tokens: int = 0) -> None:
-    """Fail at start-up when an attention backend cannot run the asked CP layout.
-
-    A backend class declares `name`, `supports_pcp`, `can_return_lse_for_decode` and
-    `supports_mtp_with_cp_non_trivial_interleave_size` (a missing flag counts as False).
-    With pcp * dcp > 1 the KV cache is sharded over the CP ranks, so decode attention on
-    any CP layout (DCP or PCP) must return its LSE for the cross-rank merge."""
+    """Fail at start-up when an attention backend cannot run the asked CP layout: it declares
+    `name`, `supports_pcp`, `can_return_lse_for_decode` and `supports_mtp_with_cp_non_trivial_interleave_size`
+    (missing: False); with pcp * dcp > 1 decode attention must return its LSE for the cross-rank merge."""
     pcp = parallel_config.prefill_context_parallel_size
     dcp = parallel_config.decode_context_parallel_size
     interleave = parallel_config.cp_kv_cache_interleave_size

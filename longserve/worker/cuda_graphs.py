@@ -1,7 +1,6 @@
-"""CUDA graphs of pure decode steps: the whole forward captured once per batch size (which
-sizes: `capture_sizes`), replayed over static inputs; and the warm-up after capture that
-compiles every kernel variant serving may pick. Steps with prefill: worker/piecewise_graphs.py.
-"""
+"""CUDA graphs of pure decode steps: the whole forward captured once per batch size
+(`capture_sizes`), replayed over static inputs, and the warm-up after capture that compiles
+every kernel variant serving may pick. Steps with prefill: worker/piecewise_graphs.py."""
 from __future__ import annotations
 
 import logging

@@ -184,11 +184,9 @@ def varlen_layout(segs: list[SuffixSegment], device) -> VarlenLayout:
 
 def suffix_segments(k_start: int, n: int, q_start: int, q_end: int, pcp_size: int,
                     pcp_rank: int) -> list[SuffixSegment]:
-    """One prefill's query rows against its new keys [k_start, k_start + n).
-
-    Without PCP the rows are the whole chunk. With PCP this rank holds chunk `r` (head) and
-    chunk `2W-1-r` (tail) of the padded chunk, each `c` rows: a chunk at offset a sees the
-    keys before it fully and its own keys causally; pad rows past n see every key."""
+    """One prefill's query rows against its new keys [k_start, k_start + n): the whole chunk without
+    PCP; with PCP chunks r (head) and 2W-1-r (tail) of the padded chunk, `c` rows each, each seeing
+    the keys before it fully and its own causally (pad rows past n see every key)."""
     if pcp_size == 1:
         return [SuffixSegment(q_start, q_end, k_start, k_start, k_start + n)]
     c = (q_end - q_start) // 2
