@@ -245,10 +245,8 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
 
 
 def close_process_groups(peers_present: bool) -> None:
-    """Free every process group of this process, bounded (a hung close is logged and left).
-
-    NCCL's destroy is collective, so all ranks call this together after the goodbye (SHUTDOWN);
-    with a peer already gone it aborts instead (local)."""
+    """Free every process group of this process, bounded (a hung close is logged and left). NCCL's
+    destroy is collective: all ranks call this after the goodbye; with a peer gone it aborts (local)."""
     if not dist.is_initialized():
         return
     nccl = dist.get_backend() == "nccl"

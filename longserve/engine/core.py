@@ -129,9 +129,8 @@ class EngineCore:
             self._mask = self.structured.start_bitmask(out, self.scheduler.requests)
 
     def _sample_masked(self, pending) -> None:
-        """Its sampling, with the mask. Asynchronous scheduling launches it only after the
-        next step was planned (beside the filling), before that step's forward (which reads
-        these ids on the device)."""
+        """Its sampling, with the mask: launched after the next step was planned and before that step's
+        forward (which reads these ids on the device)."""
         if self._mask is not None:
             mask, self._mask = self._mask.result(), None
             pending.sample(mask)

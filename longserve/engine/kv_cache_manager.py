@@ -11,9 +11,8 @@ from longserve.engine.request import Request
 
 
 def compute_block_hashes(request: Request, num_full: int, tokens_per_block: int) -> list[int]:
-    """The hash chain of the request's first `num_full` blocks, extending the one it has: each
-    block's hash covers its tokens and its parent's hash (so, the whole prefix). Only the new
-    blocks' tokens are read."""
+    """The hash chain of the request's first `num_full` blocks (each hash covers its block's tokens
+    and its parent's hash), extending the one it has: only the new blocks' tokens are read."""
     hashes = list(request.block_hashes)
     tokens = request.token_ids_slice(len(hashes) * tokens_per_block, num_full * tokens_per_block)
     for i in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
@@ -70,9 +69,8 @@ class KVCacheManager:
         return -(-num_tokens // self.tokens_per_block)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest run of cached full blocks at the start of the request, and its token count.
-
-        At least one token is always left to compute: its logits give the next token."""
+        """Longest run of cached full blocks at the start of the request, and its token count (at least
+        one token is left to compute: its logits give the next token)."""
         if not self.enable_prefix_caching:
             return [], 0
         request.block_hashes = compute_block_hashes(

@@ -28,8 +28,7 @@ MULTIPROCESSING = "LONGSERVE_ENABLE_MULTIPROCESSING"
 
 
 def use_multiprocessing(config: EngineConfig) -> bool:
-    """Engine cores in processes of their own, unless asked not to (one core only) or under
-    torchrun (rank 0's process drives its replica, the others are its workers)."""
+    """Engine cores in processes of their own, unless asked not to (one core only) or under torchrun."""
     return config.parallel.data_parallel_size > 1 or (
         os.environ.get(MULTIPROCESSING, "1") != "0" and not launched_by_torchrun())
 
@@ -37,8 +36,8 @@ def use_multiprocessing(config: EngineConfig) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
                  front_end: FrontEnd | None = None, started_at: float | None = None):
-        """front_end: one of several API servers, on cores that another process started;
-        started_at: when the caller began (start-up timeline)."""
+        """front_end: one of several API servers, on cores another process started;
+        started_at: when the caller began."""
         t0 = started_at or time.time()
         use_kernel_cache()
         self.config, self.max_waiting = config, max_waiting
@@ -80,8 +79,7 @@ class LLMEngine:
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> dict:
-        """A conversation -> {"prompt": rendered text, "prompt_token_ids": ...}; the template
-        writes any BOS itself, so the tokenizer adds no special tokens."""
+        """A conversation -> {"prompt": text, "prompt_token_ids": ...}; the template writes any BOS itself."""
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model.path!r} has no tokenizer; chat needs one")
         text = render_chat(self.tokenizer_info, messages, add_generation_prompt, chat_template)
@@ -93,7 +91,7 @@ class LLMEngine:
     # ---- the door ---------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams,
                      data_parallel_rank: int | None = None) -> EngineCoreRequest:
-        """Validate one prompt (see longserve/inputs.py) and its parameters into a request;
+        """Validate one prompt (longserve/inputs.py) and its parameters into a request;
         data_parallel_rank pins it to one DP rank."""
         check_dp_rank(data_parallel_rank, self.config.parallel.data_parallel_size)
         if not isinstance(params, SamplingParams):
@@ -162,8 +160,8 @@ class LLMEngine:
     # ---- requests in flight -----------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, loop=None,
                     sink: queue.SimpleQueue | None = None) -> RequestStream | queue.SimpleQueue:
-        """Queue a validated request. Its outputs go to a new RequestStream (deltas; read by
-        a thread, or by `loop`), or, with `sink`, its RequestOutput goes there at the end."""
+        """Queue a validated request: its deltas go to a new RequestStream (read by a thread, or by
+        `loop`), or with `sink` its final RequestOutput goes there."""
         if self.error is not None or self._closed:
             raise EngineDeadError(self.error or "the engine is shutting down")
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
@@ -207,8 +205,7 @@ class LLMEngine:
             self.coordinator.on_wave_finished(msg.wave_finished)
 
     def _on_dead(self, core: int, reason: str) -> None:
-        """A core died: its requests fail. Expert models' cores step together, so all fail;
-        dense models' other cores go on serving."""
+        """A core died: its requests fail (all, for expert models: their cores step together)."""
         logger.error(reason)
         self.coordinator.dead.add(core)
         if self.config.dp_lockstep or len(self.coordinator.dead) == self.coordinator.num_cores:

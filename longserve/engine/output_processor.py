@@ -50,9 +50,8 @@ class StreamOutput:
 
 
 class RequestStream:
-    """One request's outputs, read by a thread (`for out in stream`) or a loop (`batches()`);
-    it ends when all its `n` choices have. Deltas of a choice that queued up while the
-    reader was busy come merged into one."""
+    """One request's outputs, read by a thread (`for out in stream`) or a loop (`batches()`) until all
+    its `n` choices end; a choice's deltas that queued up while the reader was busy come merged."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None, n: int = 1):
         self.request_id, self.loop, self.n = request_id, loop, n
@@ -144,8 +143,7 @@ class OutputProcessor:
             self._choices.update((cid, (state, c)) for cid, c in zip(request.choice_ids, choices))
 
     def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
-        """Apply one step's outputs of a core; returns the choices that a stop string ended
-        here (their core must abort them)."""
+        """Apply one step's outputs of a core; returns the choices a stop string ended here (to abort)."""
         now, deliveries, stopped = time.perf_counter(), [], []
         with self._lock:
             for o in outputs:
@@ -234,8 +232,8 @@ class OutputProcessor:
             else None)
 
     def abort(self, request_id: str) -> tuple[int | None, list[str]]:
-        """Ended by the front end (a client gone, a failed caller): the reader gets the end;
-        returns its core and the core's ids of its choices (none if it had ended)."""
+        """Ended by the front end (a client gone, a failed caller); returns its core and the core's ids
+        of its choices (none if it had ended)."""
         with self._lock:
             state = self._states.get(request_id)
             if state is None:

@@ -82,9 +82,8 @@ class Scheduler:
             out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
 
     def _fork(self, parent: Request) -> None:
-        """The parent's prompt is planned to its end: its other choices join the running list sharing
-        its full prompt blocks (docs/architecture.md, 'Several choices'); each recomputes the prompt's
-        last block in a block of its own."""
+        """The parent's prompt is planned to its end: its other choices join the running list, sharing
+        its full prompt blocks; each recomputes the last block in its own (architecture: 'Several choices')."""
         shared = parent.block_ids[:(parent.num_prompt_tokens - 1) // self.kv.tokens_per_block]
         for child in [c for c in parent.children if not c.is_finished]:  # (aborted while parked)
             child.block_ids = self.kv.share(shared)
@@ -262,9 +261,8 @@ class Scheduler:
                            logprobs: dict[str, dict[int, float]] | None = None,
                            prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
                            ) -> list[Request]:
-        """Apply a step's results: sampled tokens replace placeholders, full blocks enter the
-        prefix cache, finished requests leave; returns the finished. A request preempted
-        while the step ran still gets its token (it is recomputed with it)."""
+        """Apply a step's results; returns the finished requests. A request preempted while the step ran
+        still gets its token (it is recomputed with it)."""
         finished, self._finished_in_schedule = self._finished_in_schedule, []
         for rid in out.decodes.req_ids:  # (each sampled one token)
             req = self.requests.get(rid)

@@ -1,8 +1,5 @@
-"""Triton kernels behind `fused_ops` (CUDA tensors, or the CPU under TRITON_INTERPRET=1).
-
-Imported only when a kernel is about to run, so a CPU install needs no Triton. Each kernel
-reproduces the rounding of the torch version in fused_ops.py that it replaces.
-"""
+"""Triton kernels behind `fused_ops` (CUDA tensors, or the CPU under TRITON_INTERPRET=1), imported
+only when one runs; each reproduces the rounding of the torch version it replaces."""
 from __future__ import annotations
 
 import torch
