@@ -1,8 +1,5 @@
-"""The step plan: what the scheduler decides for one step and every worker receives.
-
-The engine (scheduler, executor) writes it and the workers read it; it lives here, below
-both, so that no worker module imports the engine. Plain, picklable data.
-"""
+"""The step plan: what the scheduler decides for one step and every worker receives, as plain,
+picklable data; it lives below the engine and the workers so that no worker imports the engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -17,9 +17,7 @@ LOG2E = 1.4426950408889634  # 1 / ln(2): scores go through exp2
 FP8_MAX = tl.constexpr(448.0)  # float8 e4m3fn's largest finite value (attention/kv_quant.py)
 
 
-# --------------------------------------------------------------------------------------
-# store_kv: scatter this step's keys and values into their cache slots
-# --------------------------------------------------------------------------------------
+# ---- store_kv: scatter this step's keys and values into their cache slots --------------------
 
 @triton.jit
 def _round_to_e4m3(x):
@@ -85,15 +83,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
-# --------------------------------------------------------------------------------------
-# paged attention with LSE (decode, and prefix attention of prefill chunks)
-#
+# ---- paged attention with LSE (decode, and prefix attention of prefill chunks) ---------------
 # One program owns (a tile of query rows of one request) x (one KV head) x (one KV split).
 # The tile's M dimension holds BLOCK_Q query rows times the G query heads that share the
 # KV head (row m = query row m // G, head m % G), so every K/V tile read from the cache
 # feeds G * BLOCK_Q rows of tensor-core work. KV is walked in tiles of BLOCK_N tokens whose
 # slots are looked up in the block table, with an online softmax in float32.
-# --------------------------------------------------------------------------------------
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -512,9 +507,7 @@ def run_in_threads(calls: list, device: torch.device) -> None:
         list(pool.map(lambda call: call(), calls))
 
 
-# --------------------------------------------------------------------------------------
-# merge of two partial attention states (e.g. prefix over the cache + causal suffix)
-# --------------------------------------------------------------------------------------
+# ---- merge of two partial attention states (e.g. prefix over the cache + causal suffix) ------
 
 # the LSE strides and alignment follow a chunk's length (SDPA's LSE is [H, T]): unspecialized,
 # so no chunk compiles a variant mid-run (one did, 152 ms into a server's burst, H200)
@@ -533,11 +526,8 @@ def _merge_two_kernel(
     d = tl.arange(0, BLOCK_D)
     h_ok = h < H
     hd_ok = h_ok[:, None] & (d < D)[None, :]
-    pl = tl.load(p_lse_ptr + t * stride_plt + h * stride_plh, mask=h_ok, other=float("-inf"))
-    sl = tl.load(s_lse_ptr + t * stride_slt + h * stride_slh, mask=h_ok, other=float("-inf"))
-    # NaN or +inf lse: an empty/broken state, weigh it 0
-    pl = tl.where((pl != pl) | (pl == float("inf")), float("-inf"), pl)
-    sl = tl.where((sl != sl) | (sl == float("inf")), float("-inf"), sl)
+    pl = _clean(tl.load(p_lse_ptr + t * stride_plt + h * stride_plh, mask=h_ok, other=float("-inf")))
+    sl = _clean(tl.load(s_lse_ptr + t * stride_slt + h * stride_slh, mask=h_ok, other=float("-inf")))
     m = tl.maximum(pl, sl)
     m = tl.where(m == float("-inf"), 0.0, m)
     wp = tl.exp(pl - m)

@@ -84,9 +84,8 @@ class PairGroups:
             self.groups.pop(key, None)
 
     def send_all(self, group, payloads, first_tag: int = 0, deadline: float | None = None) -> None:
-        """Send the payloads (an iterator that makes each when asked) with tags first_tag, ...:
-        payload i+1 is packed while payload i is on the wire. No wait outlasts `deadline`
-        (time.time(); a lease's end)."""
+        """Send the payloads (made when asked: i+1 is packed while i is on the wire) with tags first_tag,
+        ...; no wait outlasts `deadline` (time.time(): a lease's end)."""
         pending = None
         for tag, t in enumerate(payloads, first_tag):
             work = (group.send([t], 1, tag), t)  # keep t alive until its send is done

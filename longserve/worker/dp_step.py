@@ -34,9 +34,8 @@ def balanced_split(tokens_per_request: np.ndarray) -> int:
 
 def run_coordinated(runner, rows: StepRows, table: np.ndarray,
                     inp: StepInputs, dummy: bool = False) -> torch.Tensor:
-    """The forward of a step whose shape the DP ranks agree on; hidden states [T, hidden].
-    When every rank can, all replay the decode graph of the agreed (largest) size; a dummy
-    step replays it with no real row."""
+    """The forward of a step whose shape the DP ranks agree on -> hidden [T, hidden]; when every rank
+    can, all replay the decode graph of the agreed size (a dummy step with no real row)."""
     par, ps = runner.config.parallel, runner.ps
     n = inp.num_local_tokens
     per_req = rows.n

@@ -163,10 +163,8 @@ def add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kern
         return
     local_n = np.diff(local_starts)[num_decodes:]
     ctx = cp_local(torch.from_numpy(computed[num_decodes:]), layout)
-    # With PCP the prefix part runs over every PCP rank's prefill rows (rank-major, all
-    # ranks hold equally many rows per request): one row group per (rank, request), or one
-    # for a lone prefill (its rows of every rank are adjacent): one gather of its shard's
-    # pages and one kernel call a layer, not pcp of each
+    # with PCP over every PCP rank's prefill rows (rank-major, equal counts): a row group per
+    # (rank, request), or one for a lone prefill (one page gather and kernel call a layer)
     reps = 1 if len(local_n) == 1 else pcp_size
     rows = np.tile(local_n, pcp_size) if reps > 1 else local_n * pcp_size
     qsl = np.concatenate(([0], np.cumsum(rows)))

@@ -64,9 +64,8 @@ class StepSampler:
         self.prompt_logprob_rows_per_slice = max(1, (1 << 24) // config.model.vocab_size)
 
     def sample(self, out: SchedulerOutput, hidden, inp) -> ModelRunnerOutput | None:
-        """Sample on the first rank of the model group (the first PCP rank's first TP rank);
-        the output's ids stay pending until resolve(). A step with a structured request
-        leaves its logits in `output.deferred` (see sample_deferred)."""
+        """Sample on the first rank of the model group (the first PCP rank's first TP rank); ids stay
+        pending until resolve(), a structured step's logits wait in `output.deferred`."""
         sampling = (out.sampling_req_ids(),
                     out.decodes.seed_offsets + [r.seed_offset for r in out.requests if r.sample])
         output, logits = None, None
