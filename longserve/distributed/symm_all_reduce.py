@@ -1,7 +1,5 @@
-"""Low-latency all-reduce over NVLink through torch symmetric memory: one-shot (each rank sums
-every peer's buffer) or two-shot (reduce-scatter, all-gather by peer loads); multicast off.
-Which size takes which: `ALGORITHMS`, measured (docs/architecture.md, 'Small collectives over
-NVLink')."""
+"""Low-latency all-reduce over NVLink through torch symmetric memory (one-shot or two-shot;
+multicast off); which size takes which: `ALGORITHMS` (docs/architecture.md, 'Small collectives')."""
 from __future__ import annotations
 
 import logging

@@ -1,7 +1,6 @@
-"""The front end's handle on its engine cores: `MPClient` (core processes over ZeroMQ: a ROUTER for
-commands, a PULL for outputs, a reader thread that also detects dead cores; with several API
-servers, `FrontEnd` attaches to cores another process started) and `InprocClient` (one
-EngineCore on a thread). docs/architecture.md, 'Engine cores and the front end'."""
+"""The front end's handle on its engine cores: `MPClient` (core processes over ZeroMQ, dead cores
+detected by its reader thread; `FrontEnd` attaches to cores another process started) and
+`InprocClient` (one EngineCore on a thread). docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import atexit

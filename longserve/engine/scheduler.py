@@ -1,10 +1,7 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
-
-Each step spends a token budget: running requests first, then waiting ones; when the KV pool
-runs short the most recently admitted running request is preempted. Liveness (the door rule
-`check_fits`), placeholders of asynchronous scheduling and the fork of several choices:
-docs/architecture.md, 'Bad input and liveness', 'Asynchronous scheduling', 'Several choices'.
-A request that needs prompt logprobs recomputes its prompt rather than read the prefix cache."""
+"""Continuous batching with chunked prefill and preemption by recompute: running requests first,
+then waiting ones; when the pool runs short the last admitted is preempted. A request that needs
+prompt logprobs recomputes its prompt. Liveness (`check_fits`), placeholders and forks of several
+choices: docs/architecture.md, 'Bad input and liveness', 'Asynchronous scheduling', 'Several choices'."""
 from __future__ import annotations
 
 from collections import deque

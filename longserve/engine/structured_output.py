@@ -122,10 +122,8 @@ class StructuredOutputManager:
         pending tokens taken here). Until its result is taken nothing may sample for them."""
         sampling = [requests.get(rid) for rid in out.sampling_req_ids()]
         rows = [i for i, q in enumerate(sampling) if q is not None and q.grammar is not None]
-        work = []
-        for i in rows:
-            g = sampling[i].grammar
-            work.append((g, g.pending))
+        work = [(sampling[i].grammar, sampling[i].grammar.pending) for i in rows]
+        for g, _ in work:
             g.pending = []
         return self._mask_pool.submit(self.bitmask, rows, work)
 

@@ -1,7 +1,6 @@
-"""The byte transport: one process group per (producer rank, consumer rank) pair, from the
-producer's TCPStore (producer rank 0, consumer rank 1), built and warmed once, rebuilt under a
-new epoch after a failure. A pull: a message on `pullq/<engine>/<rank>` in the store, then over
-the pair's group a status word (1: held) and the pieces with tags 1, 2, ..."""
+"""The byte transport: a process group per (producer rank, consumer rank) pair from the producer's
+TCPStore, built once, rebuilt under a new epoch after a failure. A pull: a message on
+`pullq/<engine>/<rank>`, then a status word (1: held) and the pieces (tags 1, 2, ...)."""
 from __future__ import annotations
 
 import datetime

@@ -141,14 +141,10 @@ def write_builtin(name: str, path: str, seed: int) -> None:
 
 def random_hf_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    out = {}
     shapes = checkpoint_shapes(ModelConfig.from_hf_dict("builtin", cfg))
-    for name, shape in sorted(shapes.items()):
-        if "norm" in name:
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        else:  # std 0.1 on tiny matrices gives peaked, stable next-token distributions
-            out[name] = 0.1 * torch.randn(shape, generator=gen)
-    return out
+    # norms around 1; std 0.1 on tiny matrices gives peaked, stable next-token distributions
+    return {name: (1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(shape, generator=gen)
+            for name, shape in sorted(shapes.items())}
 
 
 def write_tokenizer(path: str, vocab_size: int) -> None:
