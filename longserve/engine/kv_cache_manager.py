@@ -22,10 +22,7 @@ def compute_block_hashes(request: Request, num_full: int, tokens_per_block: int)
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache has no blocks (num_blocks={num_blocks}); "
-                             "give it more memory or a smaller block size")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # >= 1: Worker.determine_num_blocks refuses an empty cache
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks

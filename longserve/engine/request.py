@@ -31,7 +31,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
-    # block hashes of the full blocks of all_token_ids (prefix caching)
+    # block hashes of the full blocks of prompt + output tokens (prefix caching)
     block_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -49,12 +49,8 @@ class Request:
     children: list[Request] = field(default_factory=list)
     grammar: object | None = None  # structured outputs: its GrammarState (structured_output.py)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building the whole list (a decode step needs one)."""
+        """(prompt + output tokens)[start:end] without building the whole list (a decode needs one)."""
         n_prompt = len(self.prompt_token_ids)
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
@@ -65,11 +61,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_tokens_with_placeholders(self) -> int:
-        """Known tokens plus those sampled on the device and not read back yet."""
-        return self.num_tokens + self.num_output_placeholders
 
     def scheduled_token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) for the plan: PLACEHOLDER where the token is still on the device."""

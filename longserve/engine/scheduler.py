@@ -217,7 +217,7 @@ class Scheduler:
     def _describe_and_advance(self, req: Request, n: int) -> ScheduledRequest:
         """The request's share of the plan; then its chunk counts as computed (a sampling
         chunk leaves a placeholder). Runs for every planned request: each number read once."""
-        start, total = req.num_computed_tokens, req.num_tokens_with_placeholders
+        start, total = req.num_computed_tokens, req.num_tokens + req.num_output_placeholders
         end = start + n
         sent = self._num_blocks_sent.get(req.request_id)
         self._num_blocks_sent[req.request_id] = len(req.block_ids)

@@ -92,7 +92,10 @@ class PCPManager:
         self._build_restore(padded_starts[local_req] + dest, n, padded, arange_np)
         self._gather_local_inputs(positions_np, req_indices, offset[self.pcp_rank],
                                   local_req, n)
-        self._copy_step_to_device()
+        self.pcp_allgather_restore_idx.copy_to_gpu(self.padded_total)
+        self.pcp_unpad_mask.copy_to_gpu(self.padded_total)
+        self.pcp_restore_unpad_idx.copy_to_gpu(self.num_real_tokens)
+        self.pcp_real_to_padded_idx.copy_to_gpu(self.num_real_tokens)
         L = self.local_total
         return L, positions_np[:L], req_indices[:L]
 
@@ -148,12 +151,6 @@ class PCPManager:
         self.local_token_indices[:L] = src
         positions_np[:L] = global_positions[src] + past_end
         req_indices[:L] = global_reqs[src]
-
-    def _copy_step_to_device(self) -> None:
-        self.pcp_allgather_restore_idx.copy_to_gpu(self.padded_total)
-        self.pcp_unpad_mask.copy_to_gpu(self.padded_total)
-        self.pcp_restore_unpad_idx.copy_to_gpu(self.num_real_tokens)
-        self.pcp_real_to_padded_idx.copy_to_gpu(self.num_real_tokens)
 
     # ---- the step's index arrays, on the device ---------------------------------------
 
