@@ -218,9 +218,10 @@ def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig,
     validate_moe_parallel(p, model)
     local = p.data_parallel_size if p.data_parallel_size_local is None else p.data_parallel_size_local
     if device == "cuda" and local * p.replica_size > torch.cuda.device_count() and not launched_by_torchrun():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         raise ValueError(f"the parallel layout (data_parallel_size x prefill_context_parallel_size x "
                          f"tensor_parallel_size) needs {local * p.replica_size} GPUs; "
-                         f"{torch.cuda.device_count()} are visible")
+                         f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES={visible})")
 
 
 def validate_moe_parallel(p: ParallelConfig, model: ModelConfig) -> None:

@@ -324,9 +324,8 @@ SDPA_WITH_LSE = {
 
 @functools.cache
 def sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str | None, bool]:
-    """(the first op of SDPA_WITH_LSE that runs this dtype and head size on this GPU and
-    torch build, None: the reference math; whether cuDNN takes fewer K/V heads than query
-    heads), found once by trying each on small causal and full shapes."""
+    """(the first op of SDPA_WITH_LSE that runs this dtype and head size here, None: the reference
+    math; whether cuDNN takes fewer K/V heads than query heads), found once by trying each."""
     def runs(op: str, kv_heads: int) -> bool:
         q = torch.zeros(1, 2, 17, head_dim, dtype=dtype, device=device)
         k = torch.zeros(1, kv_heads, 17, head_dim, dtype=dtype, device=device)
@@ -341,10 +340,9 @@ def sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> tupl
 
 
 def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
-    """Per request, gather its cached K/V pages and attend without a mask (sdpa_with_lse: the
-    reference math on CPU, fused kernels on CUDA). The reference paged attention, and the CUDA
-    path for long chunks. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32. An FP8 cache
-    is dequantized (kv_scale [2, Hkv]) to q's dtype as it is gathered."""
+    """Per request, gather its cached K/V pages (an FP8 cache dequantized to q's dtype) and attend
+    without a mask: the reference paged attention, and the CUDA path for long chunks.
+    q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32."""
     if _flash_prefix(q, part):
         return flash_prefix_attention(q, k_cache, v_cache, part, scale, kv_scale)
     k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
@@ -375,9 +373,8 @@ def decode_slots(part: PagedPart, page: int, device) -> tuple[torch.Tensor, torc
 
 
 def batched_decode_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
-    """Decode rows (row r is request r) over their cached K/V in one gather and one masked
-    softmax, without a Python loop over the requests in every layer. q [R, Hq, D] -> out
-    [R, Hq, D], lse [R, Hq] float32 (an empty request: out 0, lse -inf)."""
+    """Decode rows (row r is request r) in one gather and one masked softmax, no Python loop over the
+    requests: q [R, Hq, D] -> out [R, Hq, D], lse [R, Hq] float32 (an empty request: 0, -inf)."""
     if part.packed is None:
         part.packed = decode_slots(part, k_cache.shape[1], q.device)
     slots, valid = part.packed
@@ -422,9 +419,8 @@ def pack_prefix(part: PagedPart, page: int, device) -> PackedPrefix:
 
 
 def flash_prefix_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
-    """Every request's rows against its whole cached prefix (no mask) in one flash varlen
-    call over K/V gathered from the pages (GQA native). Rows of requests without a prefix
-    get out 0 and lse -inf, as in the per-request loop."""
+    """Every request's rows against its whole cached prefix (no mask) in one flash varlen call over
+    K/V gathered from the pages; rows of requests without a prefix get out 0 and lse -inf."""
     page, hkv, d = k_cache.shape[1:]
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), device=q.device)

@@ -48,9 +48,8 @@ class EngineCore:
         self.load_s = time.perf_counter() - t0
 
     def _warm_up(self) -> None:
-        """Run the step shapes of a light load once (a lone prompt, a prompt beside a decode, a prefix
-        hit, the sampler's paths), so Triton's per-specialization compiles (~0.5 s) miss every TTFT.
-        """
+        """Run a light load's step shapes once (a lone prompt, one beside a decode, a prefix hit, the
+        sampler's paths): Triton's per-specialization compiles (~0.5 s) then miss every TTFT."""
         from longserve.sampling_params import SamplingParams
         n = max(16, min(1024, self.config.scheduler.max_model_len // 2) // 16 * 16)
         params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
@@ -225,8 +224,7 @@ class EngineCore:
         return str(e) if failure else f"{type(e).__name__}: {e}"
 
     def dp_any_unfinished(self) -> bool:
-        """Lockstep DP: whether any DP rank still has requests (one all-reduce over the DP
-        ranks' engine cores, the first rank of each replica)."""
+        """Lockstep DP: whether any DP rank still has requests (an all-reduce over the DP ranks' cores)."""
         import torch
         import torch.distributed as dist
         flag = torch.tensor([int(self.scheduler.has_unfinished() or bool(self.structured.compiling))])
@@ -261,8 +259,7 @@ class EngineCore:
         return s
 
     def decode_step_log(self, start: int = 0) -> list[tuple[int, float, float]]:
-        """(tokens, seconds, seconds waited for the device) of the decode-only steps since the
-        `start`-th (benchmarks)."""
+        """(tokens, seconds, seconds waited for the device) of decode-only steps from the `start`-th."""
         return list(self.decode_steps)[start:]
 
     def pool_state(self) -> dict:

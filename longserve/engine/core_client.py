@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from longserve.config import EngineConfig
 from longserve.engine.core_proc import CoreAddresses, EngineCoreProc
-from longserve.engine.executor import check_visible_gpus, free_port
+from longserve.engine.executor import free_port
 from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
                                        decode_any, decode_outputs, encode, unpack_result)
 from longserve.startup import use_kernel_cache
@@ -64,9 +64,7 @@ def core_gpus(config: EngineConfig, num_local_cores: int) -> list[list[str]] | N
     """Each local engine core's GPUs: core i takes the i-th run of replica_size of the visible ones."""
     if config.device != "cuda":
         return None
-    per_core, visible = config.parallel.replica_size, visible_gpus()
-    check_visible_gpus(per_core * num_local_cores, len(visible),
-                       f" on this host ({num_local_cores} engine core(s) x {per_core} ranks)")
+    per_core, visible = config.parallel.replica_size, visible_gpus()  # enough: the door checked
     return [visible[i * per_core:(i + 1) * per_core] for i in range(num_local_cores)]
 
 
@@ -210,8 +208,7 @@ class MPClient:
         _live.add(self)
 
     def start(self) -> None:
-        """Start reading outputs (once the caller can take them: with several front ends a
-        wave another one started may come at once)."""
+        """Start reading outputs, once the caller can take them (another front end's wave may come)."""
         self._reader.start()
 
     # ---- start-up -----------------------------------------------------------------------

@@ -173,8 +173,8 @@ class Executor:
 
     # ---- steps ------------------------------------------------------------------------
     def execute_async(self, out: SchedulerOutput) -> "PendingStep":
-        """Launch one step: every rank has its plan and rank 0's kernels are queued; the
-        sampled ids come back through the returned PendingStep (asynchronous scheduling)."""
+        """Launch one step (every rank has its plan, rank 0's kernels are queued); the sampled ids come
+        back through the PendingStep."""
         if self.failure:
             raise RuntimeError(f"{self.failure}; this engine cannot run: build a new LLM")
         if self._closing:
@@ -260,8 +260,7 @@ class Executor:
 
 
 class PendingStep:
-    """A launched step; result() waits for its sampled ids (and nothing else), watched like
-    any wait on the other ranks."""
+    """A launched step; result() waits for its sampled ids, watched like any wait on the other ranks."""
 
     def __init__(self, executor: Executor, step: int, output: ModelRunnerOutput | None):
         self.executor, self.step, self.output = executor, step, output
@@ -328,14 +327,6 @@ def reap(procs: list, timeout_s: float) -> None:
         logger.warning("worker processes %s did not exit within %.0f s; killing them",
                        [p.pid for p in stuck], timeout_s)
         kill_and_reap(stuck)
-
-
-def check_visible_gpus(need: int, have: int | None = None, what: str = "") -> None:
-    """Refuse a layout that needs more GPUs than this process sees (`have`: the device count)."""
-    have = torch.cuda.device_count() if have is None else have
-    if need > have:
-        raise ValueError(f"this layout needs {need} GPUs{what} but {have} are visible "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
 def make_room_for_process_group() -> None:

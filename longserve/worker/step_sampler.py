@@ -91,9 +91,8 @@ class StepSampler:
         self._finish(output, sampling, logits)
 
     def batch_params(self, ids: list[str]) -> tuple:
-        """(params, logit biases, row of each id, any structured, any logprobs, plain greedy)
-        of the sampling rows; kept while the rows stay the same (a run of decode steps pays for
-        it once). Plain greedy: every row's token is the argmax, nothing else is asked."""
+        """(params, logit biases, row of each id, any structured, any logprobs, plain greedy: argmax and
+        nothing else) of the sampling rows, kept while the rows stay the same (a run of decodes)."""
         if self.batch is None or self.batch[0] != ids:
             params = [self.requests[i].sampling_params for i in ids]
             biases = [self.requests[i].logit_bias for i in ids]
@@ -106,8 +105,7 @@ class StepSampler:
         return self.batch[1:]
 
     def _finish(self, output, sampling, logits) -> None:
-        """logits: the rows' logits on the first TP rank (plain greedy rows: their argmax ids,
-        as sample() took them)."""
+        """logits: the rows' logits on the first TP rank (plain greedy rows: their argmax ids)."""
         ids, seed_offsets = sampling
         tokens = None
         params, biases, row_of, _, any_logprobs, greedy = self.batch_params(ids)
