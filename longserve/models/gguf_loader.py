@@ -32,8 +32,7 @@ def is_gguf(path: str) -> bool:
 
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: str):
-    """The file's GGUFReader (memory-mapped; parsing the metadata takes a second or two, so
-    one per process and file)."""
+    """The file's GGUFReader, one per process and file (memory-mapped; parsing takes a second or two)."""
     from gguf import GGUFReader
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")

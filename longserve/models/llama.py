@@ -78,8 +78,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_attention(self.self_attn.attn(q, k, v, meta), residual, sp)
 
     def before_attention(self, cos_sin, hidden, residual, sp: bool = False, out=None):
-        """Input norm (+ residual add), QKV projection, q/k norm and RoPE -> q, k, v, residual
-        (out: buffers for q and k, see LlamaAttention.qkv)."""
+        """Input norm (+ residual add), QKV, q/k norm and RoPE -> q, k, v, residual (out: see qkv)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:

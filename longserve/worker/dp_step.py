@@ -65,8 +65,8 @@ def run_coordinated(runner, rows: StepRows, table: np.ndarray,
 
 
 def run_dummy_step(runner) -> None:
-    """A one-token forward with no KV write (or a graph replay with no real row): keeps an
-    idle DP rank in the expert collectives."""
+    """A one-token forward with no KV write (or a graph replay with no real row): an idle DP rank
+    joins the expert collectives."""
     rows = step_rows(SchedulerOutput([ScheduledRequest("dp-dummy", [0], 0, [0], True, False)]))
     table = build_block_table([[0]])
     inp = prepare_step(rows, table, runner.layout, runner.ps, None, runner.device, runner.backend)
