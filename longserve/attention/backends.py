@@ -21,15 +21,11 @@ from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLay
 from longserve.host_to_device import to_device
 
 HALF = (torch.float16, torch.bfloat16)
-# Prefix attention with at least this many query rows a request is compute-bound: gathering
-# the request's cached K/V into one contiguous tensor costs a copy of the shard (~1 ms for
-# 256K tokens) and buys the fused dense kernel's speed (cuDNN ~600 TFLOP/s on H200; the 1M-token
-# run of docs/benchmarks.md).
+# From this many query rows a request, prefix attention gathers the request's cached K/V (a ~1 ms
+# copy at 256K tokens) for the fused dense kernel (cuDNN ~600 TFLOP/s, H200; docs/benchmarks.md).
 DENSE_PREFIX_MIN_ROWS = 128
-# Below this many (query row x key) pairs per request, attention costs less than cuDNN's
-# set-up for a new shape (~1 ms of host time a call, and chunked prefill changes the shape
-# every step: 35 ms of a 45 ms mixed step, docs/benchmarks.md): flash varlen, which has no
-# per-shape set-up, takes those.
+# Below this many (query row x key) pairs a request, flash varlen (no per-shape set-up) beats
+# cuDNN's ~1 ms set-up of each new shape (35 ms of a 45 ms mixed step; docs/benchmarks.md).
 FLASH_MAX_WORK = 1 << 26
 
 

@@ -346,12 +346,10 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 
-# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages),
-# from H100 sweeps (benchmarks/bench_decode_attn.py --sweep bf16 fp8). bf16 at 128K: 4 warps /
-# 2 stages, 2.8 TB/s of KV (2 / 3: 2.65).
+# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages) from
+# H100 sweeps (benchmarks/bench_decode_attn.py --sweep); bf16 at 128K: 2.8 TB/s of KV (2 / 3: 2.65).
 SPLIT_DECODE = (64, 4, 2)
-# 32+ query heads on a KV head (tp=2 x dcp=2 of a one-KV-head model): 2.17 -> 2.6 TB/s at
-# 64 x 16K a shard
+# 32+ query heads on a KV head (tp=2 x dcp=2, one KV head): 2.17 -> 2.6 TB/s at 64 x 16K a shard
 SPLIT_DECODE_WIDE = (128, 4, 2)
 # FP8 (V converted first, _e4m3_to_f16): 92 registers, five programs an SM, 128K in one wave:
 # 130.5 -> 113.2 us on H100 (2.37 TB/s of FP8 KV); 128-token tiles: 168, three an SM, 1.3 waves

@@ -211,8 +211,7 @@ def single_rank_state() -> ParallelState:
     return ParallelState(RankLayout(1, 1, 1, 1, 0), g, g, g, g, g, g)
 
 
-# A worker waits for the driver's next step plan for as long as the engine sits idle, so the
-# model group's object channel has no real deadline; the driver watches that send instead.
+# a worker waits for the next plan as long as the engine idles: the driver watches that send instead
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
 
 

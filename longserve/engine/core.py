@@ -90,15 +90,13 @@ class EngineCore:
             self._num_sent.pop(request_id, None)
 
     def has_work(self) -> bool:
-        """Requests to step, a step in flight, or KV transfers to serve (a producer's held
-        blocks go back only when a step sees the consumer's release or the lease's end)."""
+        """Requests to step, a step in flight, or KV transfers (held blocks go back only in a step)."""
         return (self.scheduler.has_unfinished() or self._in_flight is not None
                 or self.scheduler.has_kv_transfers() or bool(self.structured.compiling))
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
-        """One scheduled step. `lockstep`: expert models' DP ranks run a forward every step,
-        a dummy one when this rank has nothing planned."""
+        """One scheduled step; `lockstep`: expert DP ranks run a forward every step (a dummy if idle)."""
         t, self._waited = time.perf_counter(), 0.0
         failed = self._admit_compiled()
         out = self.scheduler.schedule()
@@ -122,8 +120,7 @@ class EngineCore:
         return failed
 
     def _start_mask(self, out, pending) -> None:
-        """A step with structured requests: while its forward runs, their matchers (all tokens
-        up to the previous step applied) fill the bitmask on the mask thread."""
+        """A structured step: while its forward runs, the matchers fill the bitmask on the mask thread."""
         if pending.needs_bitmask:
             self._mask = self.structured.start_bitmask(out, self.scheduler.requests)
 
@@ -150,8 +147,7 @@ class EngineCore:
         return self._apply(out, pending.result())
 
     def _step_async(self, out, idle: bool) -> list[EngineCoreOutput]:
-        """Launch step N+1, then wait for step N's sampled ids and apply them: the host plans
-        and prepares N+1 while the device still runs N."""
+        """Launch step N+1, then apply step N's sampled ids: the host plans N+1 while the device runs N."""
         if self._in_flight is not None:
             self._sample_masked(self._in_flight[1])
         launched = None if idle else (out, self.executor.execute_async(out))

@@ -270,8 +270,7 @@ class PendingStep:
         return self.output is not None and self.output.deferred is not None
 
     def sample(self, bitmask: tuple) -> None:
-        """A step with structured requests: sample with their grammar bitmask (rank 0 samples
-        and broadcasts the ids; the other ranks wait for them inside the step)."""
+        """A structured step: sample with the grammar bitmask (rank 0 samples and broadcasts the ids)."""
         ex = self.executor
         ex._in_step(f"sampling step {self.step}", ex.driver.runner.sampling.sample_deferred, self.output, bitmask)
 

@@ -69,14 +69,11 @@ class Scheduler:
             (decodes if n == 1 and req.num_computed_tokens > 0 else chunks).append((req, n))
         out.requests = [self._describe_and_advance(req, n) for req, n in decodes + chunks]
         if self.connector is not None:
-            self._attach_connector_meta(out)
+            out.kv_connector_metadata = meta = self.connector.build_connector_meta(out)
+            if meta is not None and meta.filled_block_ids:  # the connector initialises these itself
+                filled = set(meta.filled_block_ids)
+                out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
         return out
-
-    def _attach_connector_meta(self, out: SchedulerOutput) -> None:
-        out.kv_connector_metadata = meta = self.connector.build_connector_meta(out)
-        if meta is not None and meta.filled_block_ids:  # the connector initialises these itself
-            filled = set(meta.filled_block_ids)
-            out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
 
     def _fork(self, parent: Request) -> None:
         """The parent's prompt is planned to its end: its other choices join the running list, sharing

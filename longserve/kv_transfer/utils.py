@@ -106,9 +106,8 @@ def kv_postprocess_blksize_and_layout_on_receive(cache: torch.Tensor, indices: t
 
 # ---- the step plan -------------------------------------------------------------------
 def yield_req_data(scheduler_output) -> Iterator[tuple[str, tuple[list[int], ...], bool]]:
-    """(req_id, new_block_id_groups, preempted) for every request of the step: the blocks it
-    was given since the workers last heard of it (one group: we have one KV-cache group), and
-    whether it comes back after a preemption (its block list then starts over)."""
+    """(req_id, new_block_id_groups, preempted) for every request of the step: its blocks since the
+    workers last heard of it (one KV-cache group), and whether its block list starts over."""
     for r in scheduler_output.all_requests():
         yield r.req_id, (list(r.block_ids),), bool(r.new and r.resumed_from_preemption)
 

@@ -24,9 +24,8 @@ KERNEL_ENV, DISPATCH_ENV = "LONGSERVE_MOE_KERNEL", "LONGSERVE_MOE_DISPATCH"  # f
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-    """transformers' routing: softmax over every expert (float32), top-k, then (Mixtral,
-    Qwen3-MoE with norm_topk_prob) divide by the sum of the k kept weights.
-    Returns weights [T, k] float32 and expert ids [T, k] int64."""
+    """transformers' routing: softmax over every expert (float32), top-k, renormalised when asked
+    (Mixtral, Qwen3-MoE's norm_topk_prob) -> weights [T, k] float32, expert ids [T, k] int64."""
     if use_triton(router_logits):
         from longserve.models.fused_moe_kernel import route_triton
         return route_triton(router_logits, top_k, renormalize)
