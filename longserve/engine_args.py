@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from longserve.config import (KV_ROLES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
-                              ParallelConfig, SchedulerConfig, parse_dtype)
+from longserve.config import (KV_CACHE_DTYPES, KV_ROLES, CacheConfig, EngineConfig, KVTransferConfig,
+                              ModelConfig, ParallelConfig, SchedulerConfig, parse_dtype)
 from longserve.distributed.parallel_state import launched_by_torchrun
 from longserve.models.builtin import DEFAULT_MODEL, model_config, resolve_model
 
@@ -85,7 +85,7 @@ class EngineArgs:
     cpu_kv_cache_gb: float = arg(0.25, number(0))
     num_gpu_blocks: int | None = arg(None, integer(1, optional=True), type=int,
                                      help="KV cache blocks (default: as many as memory holds)")
-    kv_cache_dtype: str = arg("auto", help="auto (the model's dtype) or fp8 (e4m3)")
+    kv_cache_dtype: str = arg("auto", choices=tuple(KV_CACHE_DTYPES), help="auto (the model's dtype) or fp8")
     enable_prefix_caching: bool = arg(True)
     enable_chunked_prefill: bool = arg(True)
     enforce_eager: bool = arg(False, help="no CUDA graphs")

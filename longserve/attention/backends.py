@@ -1,7 +1,6 @@
-"""Attention over the paged, CP-sharded KV cache: one algorithm, with torch primitives
-(`TorchAttentionBackend`, the reference, runs anywhere) and CUDA ones (`TritonAttentionBackend`:
-Triton paged kernels, cuDNN/flash SDPA), the kernel picked by the step's shapes against the
-thresholds below (docs/architecture.md, 'Attention, concretely')."""
+"""Attention over the paged, CP-sharded KV cache: one algorithm with torch primitives
+(`TorchAttentionBackend`, the reference) or CUDA ones (`TritonAttentionBackend`: Triton, cuDNN /
+flash SDPA) picked by shapes and the thresholds below (docs/architecture.md, 'Attention, concretely')."""
 from __future__ import annotations
 
 import functools

@@ -23,9 +23,8 @@ class SuffixSegment:
 
 @dataclass
 class VarlenLayout:
-    """Prefill segments that tile the step's new tokens in order, each causal over itself
-    (no PCP): one variable-length kernel call can take them all. cu_seqlens counts rows
-    from the first segment's first row; its keys are K/V rows [k_begin, k_end)."""
+    """Prefill segments that tile the step's new tokens in order, each causal over itself (no PCP), for
+    one varlen kernel call; cu_seqlens counts rows from the first segment's; keys: K/V rows [k_begin, k_end)."""
     cu_seqlens: torch.Tensor  # [S+1] int32, device
     max_len: int
     k_begin: int

@@ -1,8 +1,6 @@
-"""Triton kernels for the paged KV cache: store, paged attention with LSE, merge.
-
-A layer's cache: [2, num_blocks, block_size, Hkv, D] (K = [0], V = [1]); slot = block_id *
-block_size + offset. Launch choices depend on shapes and int arguments only, never on tensor
-values (CUDA-graph capturable); everything runs under TRITON_INTERPRET=1 on CPU tensors."""
+"""Triton kernels for the paged KV cache (store, paged attention with LSE, merge). A layer's cache:
+[2, num_blocks, block_size, Hkv, D] (K = [0], V = [1]); slot = block_id * block_size + offset.
+Launch choices follow shapes and ints only (graph-capturable); all run under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import functools
@@ -101,10 +99,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, PAD_PER_REQ: tl.constexpr,
                   BLOCK_R: tl.constexpr):
-    """The request whose q-tiles hold program `pid`. Request r owns programs
-    [start(r), start(r+1)) with start(r) = qsl[r] // BLOCK_Q + r * PAD_PER_REQ, a monotone
-    upper bound of its q-tile count that needs no prefix sum; r = #{start(r) <= pid} - 1.
-    One vector load of all R starts (BLOCK_R >= R): a single memory round trip."""
+    """The request whose q-tiles hold program `pid`: request r owns programs [start(r), start(r+1)),
+    start(r) = qsl[r] // BLOCK_Q + r * PAD_PER_REQ, a monotone bound of its q-tile count without a
+    prefix sum; r = #{start(r) <= pid} - 1, from one vector load of all starts (BLOCK_R >= R)."""
     r = tl.arange(0, BLOCK_R)
     r_ok = r < num_reqs
     start = tl.load(qsl_ptr + r, mask=r_ok, other=0) // BLOCK_Q + r * PAD_PER_REQ
@@ -307,18 +304,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.device) -> int:
-    """Enough splits for ~4 programs per SM (batch 1 at 128K: 64 splits of 8 KV heads read
-    2.8 TB/s on H100, 2 per SM 2.65), but >= 256 tokens a split (the block table's width
-    bounds the context) and at most 256 splits. Shapes only, so graph-safe."""
+    """Splits for ~4 programs per SM (batch 1 at 128K: 64 splits of 8 KV heads read 2.8 TB/s on H100,
+    2 per SM 2.65), >= 256 tokens a split (the table's width bounds the context), <= 256; shapes only."""
     want = triton.cdiv(4 * _num_sms(device), max(num_programs, 1))
     splits = max(1, min(want, triton.cdiv(max_context, 256), 256))
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants
 
 
 def _request_bucket(num_reqs: int) -> int:
-    """BLOCK_R >= R: 256 up to 256 requests. Each value is a compiled variant, and loading a few
-    hundred ints per program costs less than compiling mid-run (a bucket of 16 and one of 256
-    compiled a variant while serving: 0.5 s in a burst's TTFT, H100)."""
+    """BLOCK_R >= R: 256 up to 256 requests. Each value compiles a variant: a bucket of 16 beside
+    one of 256 compiled while serving (0.5 s in a burst's TTFT, H100); a few hundred loads cost less."""
     return max(256, triton.next_power_of_2(num_reqs))
 
 
@@ -493,9 +488,8 @@ def merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device) ->
 
 
 def run_in_threads(calls: list, device: torch.device) -> None:
-    """Call each (a first launch: Triton compiles its variant) from a pool of threads: Triton
-    compiles mostly outside the GIL (LLVM, ptxas), so a cold start compiles several at once.
-    Under the interpreter (CPU tests) one at a time."""
+    """Call each (a first launch: Triton compiles) from a thread pool, as Triton compiles mostly outside
+    the GIL (LLVM, ptxas); under the interpreter (CPU tests) one at a time."""
     if device.type != "cuda":
         for call in calls:
             call()

@@ -121,7 +121,7 @@ class EngineCore:
 
     def _start_mask(self, out, pending) -> None:
         """A structured step: while its forward runs, the matchers fill the bitmask on the mask thread."""
-        if pending.needs_bitmask:
+        if pending.output is not None and pending.output.deferred is not None:  # it waits for a mask
             self._mask = self.structured.start_bitmask(out, self.scheduler.requests)
 
     def _sample_masked(self, pending) -> None:

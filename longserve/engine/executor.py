@@ -265,10 +265,6 @@ class PendingStep:
     def __init__(self, executor: Executor, step: int, output: ModelRunnerOutput | None):
         self.executor, self.step, self.output = executor, step, output
 
-    @property
-    def needs_bitmask(self) -> bool:
-        return self.output is not None and self.output.deferred is not None
-
     def sample(self, bitmask: tuple) -> None:
         """A structured step: sample with the grammar bitmask (rank 0 samples and broadcasts the ids)."""
         ex = self.executor

@@ -1,8 +1,6 @@
-"""Block pool and per-request block allocation, with prefix caching.
-
-Counts in virtual blocks of `tokens_per_block` = block_size * W tokens (W CP ranks,
-cp_slot_mapping.py). A full block is named by a hash chain h_i = hash((h_{i-1}, its tokens));
-free blocks wait in an LRU queue, cached ones keeping their hash until taken (evicted)."""
+"""Block pool and per-request block allocation with prefix caching, in virtual blocks of
+`tokens_per_block` = block_size * W tokens (W CP ranks). A full block is named by a hash chain
+h_i = hash((h_{i-1}, its tokens)); free blocks wait in an LRU queue, cached ones keep their hash."""
 from __future__ import annotations
 
 from collections import OrderedDict

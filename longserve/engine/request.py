@@ -25,8 +25,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    # (the token's rank, {token: logprob, top-k...}) for prompt positions 1, 2, ... collected so
-    # far (SamplingParams.prompt_logprobs)
+    # (the token's rank, {token: logprob, top-k...}) for prompt positions 1, 2, ... so far
     prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -39,13 +38,11 @@ class Request:
     kv_transfer_params: dict | None = None  # in: from the client (a consumer loads); out: a producer's
     num_external_tokens: int = 0  # tokens an asynchronous load brings
     error: str | None = None
-    # Asynchronous scheduling: tokens sampled by steps whose results the host has not read yet
-    # (their values live on the GPU; the plan carries PLACEHOLDER for them), and steps that
-    # include the request and are not applied yet.
+    # asynchronous scheduling: tokens sampled but not read back yet (PLACEHOLDER in the plan),
+    # and steps with the request not applied yet
     num_output_placeholders: int = 0
     num_steps_in_flight: int = 0
-    # choices 1..n-1 of an n > 1 request (choice 0): parked until its prompt is planned to
-    # its end, then forked onto its prompt blocks (Scheduler._fork)
+    # choices 1..n-1 of an n > 1 request: parked until its prompt is planned (Scheduler._fork)
     children: list[Request] = field(default_factory=list)
     grammar: object | None = None  # structured outputs: its GrammarState (structured_output.py)
 

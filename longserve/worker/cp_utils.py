@@ -1,7 +1,6 @@
-"""Prefill context parallelism (PCP): split a step's tokens over the PCP ranks (DualChunkSwap).
-
-A prefill of n tokens is padded to P (a multiple of 2W) and cut into 2W chunks; rank r takes
-chunk r and chunk 2W-1-r; a decode runs whole on every rank. Two orders, per step:
+"""Prefill context parallelism (PCP), DualChunkSwap: a prefill of n tokens is padded to P (a multiple
+of 2W) and cut into 2W chunks, rank r taking chunks r and 2W-1-r; a decode runs whole on every rank.
+Two orders, per step:
   gathered order : rank 0's local tokens, then rank 1's, ... (what an all-gather yields)
   padded order   : request by request, a prefill's P tokens by offset (pads last), a decode's
                    W copies back to back; real tokens: `offset_in_request < n` (pcp_unpad_mask)."""

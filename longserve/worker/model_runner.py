@@ -81,8 +81,7 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None  # steps with prefill (capture_cudagraphs)
         if os.environ.get(PIECEWISE_MODE) == "eager":
             self.piecewise = build_piecewise(config, self.model, device)
-        # expert layers shared by DP ranks (or split into micro-batches): every step's shape
-        # is agreed on with the other DP ranks (worker/dp_step.py)
+        # expert layers over DP ranks (or micro-batches): each step's shape is agreed (dp_step.py)
         self.coordinated = config.model.is_moe and (par.data_parallel_size > 1 or par.enable_dbo)
         # expert layers span the DP ranks: the core steps in waves, so an empty plan is a dummy step
         self.dp_lockstep = config.dp_lockstep

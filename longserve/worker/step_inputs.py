@@ -25,11 +25,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the (restored) hidden states to take logits of
     num_local_tokens: int
     is_pure_decode: bool
-    # rows of the (restored) hidden states whose logits score prompt tokens, in request
-    # order (ScheduledRequest.prompt_logprob_targets); None when no request asks
+    # rows of the hidden states that score prompt tokens (prompt_logprob_targets), None: none
     prompt_logprob_rows: np.ndarray | None = None
-    # rows of input_ids that hold PLACEHOLDER (asynchronous scheduling: the id is still on
-    # the device) and the index into the step's requests of each; None when there are none
+    # rows of input_ids that hold PLACEHOLDER and each one's request index; None: none
     placeholder_rows: np.ndarray | None = None
     placeholder_reqs: np.ndarray | None = None
 
