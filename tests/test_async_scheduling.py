@@ -219,7 +219,7 @@ def test_scheduled_token_ids_are_the_tokens_then_placeholders(prompt, outputs, p
     req = Request("r", list(range(prompt)), SamplingParams(), [])
     req.output_token_ids = list(range(100, 100 + outputs))
     req.num_output_placeholders = placeholders
-    full = req.all_token_ids + [PLACEHOLDER] * placeholders
+    full = req.prompt_token_ids + req.output_token_ids + [PLACEHOLDER] * placeholders
     start = data.draw(st.integers(0, len(full)))
     end = data.draw(st.integers(start, len(full)))
     assert req.scheduled_token_ids(start, end) == full[start:end]

@@ -62,7 +62,7 @@ class FakeWorkers:
             else:
                 self.blocks[sr.req_id].extend(sr.block_ids)
             req, blocks, start = requests[sr.req_id], self.blocks[sr.req_id], sr.num_computed_tokens
-            tokens, ids = req.all_token_ids, self.fill(sr)
+            tokens, ids = req.prompt_token_ids + req.output_token_ids, self.fill(sr)
             known = tokens[start:start + len(ids)]
             assert ids[:len(known)] == known and len(ids) - len(known) <= 1
             for pos in range(min(start, len(tokens))):  # the computed prefix (prefix hits
