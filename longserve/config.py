@@ -1,7 +1,5 @@
-"""Flat configuration dataclasses.
-
-`EngineConfig` is what `LLM(...)` and the `longserve` command build; every worker
-receives a copy of it, so everything in here is plain data (picklable)."""
+"""Flat configuration dataclasses: `EngineConfig` is what `LLM(...)` and the `longserve` command
+build; every worker receives a copy, so everything in here is plain (picklable) data."""
 from __future__ import annotations
 
 import json
@@ -72,18 +70,18 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     # layer index -> index of an earlier layer whose KV cache it reads (cross-layer KV sharing)
     kv_sharing: dict[int, int] = field(default_factory=dict)
-    # mixture of experts (Qwen3-MoE, Mixtral): layers in `moe_layers` route each token to
-    # `num_experts_per_tok` of `num_experts` experts of width `moe_intermediate_size`
+    # mixture of experts (Qwen3-MoE, Mixtral): `moe_layers` route each token to top-k of `num_experts`
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: list[int] = field(default_factory=list)
 
+    tokenizer: str | None = None  # a folder with tokenizer.json that overrides the model's
+
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
-    tokenizer: str | None = None  # a folder with tokenizer.json that overrides the model's
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
@@ -194,14 +192,8 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 256 << 20
     # Set by the worker after sizing (or by the user, to force a small pool).
     num_blocks: int | None = None
-    # "fp8" (= "fp8_e4m3"): K and V stored as float8 e4m3 with per-head scales
-    # (models/kv_scales.py), 1 byte an element; "auto": the model's dtype
-    kv_cache_dtype: str = "auto"
-
-    def __post_init__(self):
-        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
+    # "fp8" (= "fp8_e4m3"): float8 e4m3 K and V with per-head scales (models/kv_scales.py)
+    kv_cache_dtype: str = "auto"  # (one of KV_CACHE_DTYPES: EngineArgs checks it)
 
 
 @dataclass
@@ -251,12 +243,7 @@ class SchedulerConfig:
     # plan step N+1 while the device runs step N (llm.py decides where it is supported)
     async_scheduling: bool = False
 
-    def __post_init__(self):
-        # a limit below 1 would build an engine that never schedules anything
-        for name, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    def __post_init__(self):  # (each limit alone is checked at the door: EngineArgs)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 

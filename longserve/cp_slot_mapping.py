@@ -38,9 +38,8 @@ def compute_slot_mapping(block_table: Array, req_indices: Array, positions: Arra
 def get_dcp_local_seq_lens(seq_lens: torch.Tensor, dcp_size: int,
                            dcp_rank: int | None = None,
                            cp_kv_cache_interleave_size: int = 1) -> torch.Tensor:
-    """How many of each sequence's tokens a CP rank stores ([B] for one rank, [B, W] for
-    all ranks when dcp_rank is None). `dcp_size` / `dcp_rank` are the CP world size and
-    rank (pcp * dcp shards in all). The W counts of a sequence add up to its length."""
+    """How many of each sequence's tokens a CP rank stores ([B] for one rank, [B, W] for all when
+    dcp_rank is None); dcp_size / dcp_rank: the CP world size and rank (pcp * dcp shards)."""
     W, I = dcp_size, cp_kv_cache_interleave_size
     # no host-to-device copy, so this can run inside a CUDA graph
     ranks = torch.arange(W, device=seq_lens.device) if dcp_rank is None else dcp_rank

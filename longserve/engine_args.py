@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from longserve.config import (KV_ROLES, CacheConfig, EngineConfig, KVTransferConfig, ModelConfig,
-                              ParallelConfig, SchedulerConfig, parse_dtype)
+from longserve.config import (KV_CACHE_DTYPES, KV_ROLES, CacheConfig, EngineConfig, KVTransferConfig,
+                              ModelConfig, ParallelConfig, SchedulerConfig, parse_dtype)
 from longserve.distributed.parallel_state import launched_by_torchrun
 from longserve.models.builtin import DEFAULT_MODEL, model_config, resolve_model
 
@@ -85,7 +85,7 @@ class EngineArgs:
     cpu_kv_cache_gb: float = arg(0.25, number(0))
     num_gpu_blocks: int | None = arg(None, integer(1, optional=True), type=int,
                                      help="KV cache blocks (default: as many as memory holds)")
-    kv_cache_dtype: str = arg("auto", help="auto (the model's dtype) or fp8 (e4m3)")
+    kv_cache_dtype: str = arg("auto", choices=tuple(KV_CACHE_DTYPES), help="auto (the model's dtype) or fp8")
     enable_prefix_caching: bool = arg(True)
     enable_chunked_prefill: bool = arg(True)
     enforce_eager: bool = arg(False, help="no CUDA graphs")
@@ -218,9 +218,10 @@ def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig,
     validate_moe_parallel(p, model)
     local = p.data_parallel_size if p.data_parallel_size_local is None else p.data_parallel_size_local
     if device == "cuda" and local * p.replica_size > torch.cuda.device_count() and not launched_by_torchrun():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
         raise ValueError(f"the parallel layout (data_parallel_size x prefill_context_parallel_size x "
                          f"tensor_parallel_size) needs {local * p.replica_size} GPUs; "
-                         f"{torch.cuda.device_count()} are visible")
+                         f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES={visible})")
 
 
 def validate_moe_parallel(p: ParallelConfig, model: ModelConfig) -> None:

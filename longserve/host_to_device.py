@@ -1,6 +1,5 @@
-"""Host arrays to device tensors without waiting for the device: through pinned memory (PyTorch's
-caching host allocator, reused only after the copy ran), copied non-blocking; a blocking or
-pageable copy would wait for step N. On the CPU the array is wrapped, not copied."""
+"""Host arrays to device tensors without waiting for the device: pinned memory (PyTorch's caching host
+allocator) copied non-blocking, where a pageable copy would wait for step N; on the CPU wrapped, not copied."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,9 +1,6 @@
-"""The prompt forms `generate` accepts, in vLLM's shapes, checked and made plain.
-
-A prompt is a string, `{"prompt": str}` (vLLM's TextPrompt), `{"prompt_token_ids": ids}`
-(TokensPrompt, optionally with a "prompt" text kept for the output), or the ids directly:
-a list of integers of any integer type, or a 1-D integer numpy array / torch tensor.
-"""
+"""The prompt forms `generate` accepts, in vLLM's shapes, checked and made plain: a string,
+`{"prompt": str}`, `{"prompt_token_ids": ids}` (optionally with a "prompt" text kept for the
+output), or the ids directly (a list of integers, a 1-D integer numpy array or torch tensor)."""
 from __future__ import annotations
 
 import numbers

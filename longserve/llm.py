@@ -15,18 +15,6 @@ from longserve.models.builtin import DEFAULT_MODEL
 from longserve.sampling_params import SamplingParams
 
 
-def _next_output(done: queue.SimpleQueue) -> RequestOutput:
-    """The next finished request (a bounded wait, so Ctrl-C gets through at once)."""
-    while True:
-        try:
-            item = done.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if isinstance(item, BaseException):  # its engine core died
-            raise item
-        return item
-
-
 class LLM:
     """Offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`; the keywords
     are EngineArgs' fields."""
@@ -58,7 +46,12 @@ class LLM:
             for req in requests:  # all validated before any is queued
                 self.engine.add_request(req, sink=done)
             while len(outputs) < len(requests):
-                out = _next_output(done)
+                try:
+                    out = done.get(timeout=0.1)  # a bounded wait: Ctrl-C gets through at once
+                except queue.Empty:
+                    continue
+                if isinstance(out, BaseException):  # its engine core died
+                    raise out
                 outputs[out.request_id] = out
                 bar.update(1)
         except BaseException:

@@ -1,9 +1,6 @@
-"""Per-request sampling settings, in vLLM's shape.
-
-`validate()` checks every field's type and range (messages name the field and what is
-allowed) and normalizes integer-like values (numpy / torch integers) to Python ints.
-The engine queues `canonical()`, a plain `SamplingParams` copy: it always pickles to the
-workers, whatever subclass or extra attributes the caller used."""
+"""Per-request sampling settings, in vLLM's shape. `validate()` checks every field (messages name it)
+and makes integer-likes Python ints; the engine queues `canonical()`, a plain copy that pickles
+whatever subclass the caller used."""
 from __future__ import annotations
 
 import dataclasses

@@ -27,8 +27,8 @@ def freeze_after_warm_up() -> None:
 
 
 def _watch_kernel_compiles() -> None:
-    """Triton's JIT hooks: one before a kernel variant is compiled (or loaded from the disk
-    cache: not yet in this process), one after. Only where Triton is installed and has them."""
+    """Triton's JIT hooks (where Triton has them): before a variant is compiled or loaded from the
+    disk cache, and after."""
     try:
         from triton import knobs
     except ImportError:
@@ -80,8 +80,7 @@ def _log_gc_pause(phase: str, info: dict) -> None:
 
 
 async def watch_loop_lag(period: float = 0.1) -> None:
-    """Log every wake-up of this event loop that came over LOOP_LAG_S late (a callback that
-    held the loop: its streams stalled that long)."""
+    """Log every wake-up of this event loop over LOOP_LAG_S late (a callback held it: streams stalled)."""
     loop = asyncio.get_running_loop()
     while True:
         t = loop.time()

@@ -42,9 +42,8 @@ def cache_dir() -> str:
 
 
 def use_kernel_cache() -> None:
-    """Triton's compiled kernels under LONGSERVE_CACHE (kept across restarts, one folder per
-    Triton and torch version; Triton keys each kernel by GPU and source itself), unless the
-    user chose TRITON_CACHE_DIR. Before Triton is imported; child processes inherit it."""
+    """Triton's compiled kernels under LONGSERVE_CACHE (one folder per Triton and torch version), unless
+    the user chose TRITON_CACHE_DIR; set before Triton is imported, inherited by child processes."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         versions = f"triton-{version('triton')}-torch-{version('torch')}"

@@ -1,17 +1,13 @@
-"""The step plan: what the scheduler decides for one step and every worker receives.
-
-The engine (scheduler, executor) writes it and the workers read it; it lives here, below
-both, so that no worker module imports the engine. Plain, picklable data.
-"""
+"""The step plan: what the scheduler decides for one step and every worker receives, as plain,
+picklable data; it lives below the engine and the workers so that no worker imports the engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from longserve.sampling_params import SamplingParams
 
-# With asynchronous scheduling the host plans step N+1 before it has read the tokens sampled
-# in step N: such a token appears in `token_ids` as PLACEHOLDER, and every worker fills it in
-# on the device from step N's sampled ids (worker/model_runner.py).
+# Asynchronous scheduling plans step N+1 before the host has read step N's tokens: those are
+# PLACEHOLDER in `token_ids`, filled in on the device from step N's sampled ids (model_runner.py).
 PLACEHOLDER = -1
 
 
@@ -60,9 +56,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return len(self.decodes.req_ids) + sum(len(r.token_ids) for r in self.requests)
-
-    def req_ids(self) -> list[str]:
-        return self.decodes.req_ids + [r.req_id for r in self.requests]
 
     def sampling_req_ids(self) -> list[str]:
         """The requests that sample, in the order of the step's sampled ids."""

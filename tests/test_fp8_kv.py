@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from longserve import LLM, SamplingParams
 from longserve.attention import backends
 from longserve.attention.kv_quant import FP8_MAX, dequantize_kv, quantize_kv
-from longserve.config import CacheConfig
+from longserve.engine_args import EngineArgs
 from longserve.kv_transfer.p2p import P2pConnectorWorker
 from longserve.kv_transfer.topology import KVLayout, KVPiece, plan_kv_pieces
 from longserve.models.builtin import resolve_model
@@ -61,7 +61,7 @@ def reference():
 # ---- units -----------------------------------------------------------------------------------
 def test_kv_cache_dtype_is_checked_at_the_door():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="int8")
+        EngineArgs(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM("builtin:llama-tiny", device="cpu", kv_cache_dtype="fp8_e5m2")
 

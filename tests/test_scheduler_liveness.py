@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from longserve.config import SchedulerConfig
+from longserve.engine_args import EngineArgs
 from longserve.engine.kv_cache_manager import KVCacheManager
 from longserve.engine.request import Request, RequestStatus
 from longserve.engine.scheduler import Scheduler
@@ -61,7 +62,7 @@ class FakeWorkers:
             else:
                 self.blocks[sr.req_id].extend(sr.block_ids)
             req, blocks, start = requests[sr.req_id], self.blocks[sr.req_id], sr.num_computed_tokens
-            tokens, ids = req.all_token_ids, self.fill(sr)
+            tokens, ids = req.prompt_token_ids + req.output_token_ids, self.fill(sr)
             known = tokens[start:start + len(ids)]
             assert ids[:len(known)] == known and len(ids) - len(known) <= 1
             for pos in range(min(start, len(tokens))):  # the computed prefix (prefix hits
@@ -218,4 +219,4 @@ def test_request_alone_that_outgrows_the_pool_finishes_by_length():
                                     dict(max_num_batched_tokens=8, enable_chunked_prefill=False)])
 def test_limits_that_would_never_schedule_are_refused(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs)) if "enable" not in str(kwargs) else "chunked"):
-        SchedulerConfig(**kwargs)
+        EngineArgs("builtin:llama-tiny", device="cpu", **kwargs).create_engine_config()

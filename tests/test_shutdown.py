@@ -92,7 +92,4 @@ def test_engine_cores_take_the_callers_gpus_in_order(visible, per_core, cores, w
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     config = SimpleNamespace(device="cuda", parallel=SimpleNamespace(replica_size=per_core))
     assert core_gpus(config, cores) == want
-    with pytest.raises(ValueError, match=rf"needs {per_core * (cores + 1)} GPUs .* but "
-                                         rf"{len(visible.split(','))} are visible"):
-        core_gpus(config, cores + 1)
     assert core_gpus(SimpleNamespace(device="cpu"), 8) is None

@@ -1,7 +1,6 @@
-"""Attention over the paged, CP-sharded KV cache: one algorithm, with torch primitives
-(`TorchAttentionBackend`, the reference, runs anywhere) and CUDA ones (`TritonAttentionBackend`:
-Triton paged kernels, cuDNN/flash SDPA), the kernel picked by the step's shapes against the
-thresholds below (docs/architecture.md, 'Attention, concretely')."""
+"""Attention over the paged, CP-sharded KV cache: one algorithm with torch primitives
+(`TorchAttentionBackend`, the reference) or CUDA ones (`TritonAttentionBackend`: Triton, cuDNN /
+flash SDPA) picked by shapes and the thresholds below (docs/architecture.md, 'Attention, concretely')."""
 from __future__ import annotations
 
 import functools
@@ -21,15 +20,11 @@ from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLay
 from longserve.host_to_device import to_device
 
 HALF = (torch.float16, torch.bfloat16)
-# Prefix attention with at least this many query rows a request is compute-bound: gathering
-# the request's cached K/V into one contiguous tensor costs a copy of the shard (~1 ms for
-# 256K tokens) and buys the fused dense kernel's speed (cuDNN ~600 TFLOP/s on H200; the 1M-token
-# run of docs/benchmarks.md).
+# From this many query rows a request, prefix attention gathers the request's cached K/V (a ~1 ms
+# copy at 256K tokens) for the fused dense kernel (cuDNN ~600 TFLOP/s, H200; docs/benchmarks.md).
 DENSE_PREFIX_MIN_ROWS = 128
-# Below this many (query row x key) pairs per request, attention costs less than cuDNN's
-# set-up for a new shape (~1 ms of host time a call, and chunked prefill changes the shape
-# every step: 35 ms of a 45 ms mixed step, docs/benchmarks.md): flash varlen, which has no
-# per-shape set-up, takes those.
+# Below this many (query row x key) pairs a request, flash varlen (no per-shape set-up) beats
+# cuDNN's ~1 ms set-up of each new shape (35 ms of a 45 ms mixed step; docs/benchmarks.md).
 FLASH_MAX_WORK = 1 << 26
 
 
@@ -156,12 +151,9 @@ class TorchAttentionBackend:
 
     def sharded_paged_attention(self, layer: Attention, q, part: PagedPart, ps, rows_split: bool,
                                 async_op: bool = False):
-        """Attention of q over the cached tokens of every CP rank's shard.
-
-        q [N, Hq, D] is this rank's rows, or (rows_split) the PCP all-gather of every rank's
-        rows; the result holds this rank's rows and heads again (async_op: a function that
-        returns it, the exchange of partials left in flight until it is called).
-        """
+        """Attention of q over every CP rank's shard of the cache. q [N, Hq, D]: this rank's rows, or
+        (rows_split) the PCP all-gather of all ranks' rows; returns this rank's rows and heads (async_op:
+        a function returning them, the exchange of partials in flight until it is called)."""
         if ps.dcp.world_size > 1:  # the DCP group's heads: they share the KV heads stored here
             q = ps.dcp.all_gather(q, 1)
         args = (q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale, layer.kv_scale)
@@ -280,8 +272,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
 def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     """Fused attention that also returns the LSE (the op `sdpa_choice` found), [S, H, D] layout."""
-    if k.shape[0] == 0 or q.device.type != "cuda":
-        out, lse = reference_attention(q, k, v, causal, scale)
+    if k.shape[0] == 0 or q.device.type != "cuda" or sdpa_choice(q.device, q.dtype, q.shape[2])[0] is None:
+        out, lse = reference_attention(q, k, v, causal, scale)  # (None: no fused op runs here)
         return out.to(q.dtype), lse
     if causal and q.shape[0] > k.shape[0]:  # rows past the keys (PCP pads) see every key
         n = k.shape[0]
@@ -292,9 +284,6 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     if not causal and group > 1:  # GQA without copying K/V: fold each group's heads into rows
         return _folded_gqa(q, k, v, scale)
     op, cudnn_gqa = sdpa_choice(q.device, q.dtype, q.shape[2])
-    if op is None:  # no fused op runs here
-        out, lse = reference_attention(q, k, v, causal, scale)
-        return out.to(q.dtype), lse
     if group > 1 and cudnn_gqa:  # cuDNN takes the fewer K/V heads: no copy
         op = "cudnn"
     else:
@@ -330,9 +319,8 @@ SDPA_WITH_LSE = {
 
 @functools.cache
 def sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str | None, bool]:
-    """(the first op of SDPA_WITH_LSE that runs this dtype and head size on this GPU and
-    torch build, None: the reference math; whether cuDNN takes fewer K/V heads than query
-    heads), found once by trying each on small causal and full shapes."""
+    """(the first op of SDPA_WITH_LSE that runs this dtype and head size here, None: the reference
+    math; whether cuDNN takes fewer K/V heads than query heads), found once by trying each."""
     def runs(op: str, kv_heads: int) -> bool:
         q = torch.zeros(1, 2, 17, head_dim, dtype=dtype, device=device)
         k = torch.zeros(1, kv_heads, 17, head_dim, dtype=dtype, device=device)
@@ -347,10 +335,9 @@ def sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> tupl
 
 
 def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
-    """Per request, gather its cached K/V pages and attend without a mask (sdpa_with_lse: the
-    reference math on CPU, fused kernels on CUDA). The reference paged attention, and the CUDA
-    path for long chunks. q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32. An FP8 cache
-    is dequantized (kv_scale [2, Hkv]) to q's dtype as it is gathered."""
+    """Per request, gather its cached K/V pages (an FP8 cache dequantized to q's dtype) and attend
+    without a mask: the reference paged attention, and the CUDA path for long chunks.
+    q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32."""
     if _flash_prefix(q, part):
         return flash_prefix_attention(q, k_cache, v_cache, part, scale, kv_scale)
     k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
@@ -381,9 +368,8 @@ def decode_slots(part: PagedPart, page: int, device) -> tuple[torch.Tensor, torc
 
 
 def batched_decode_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
-    """Decode rows (row r is request r) over their cached K/V in one gather and one masked
-    softmax, without a Python loop over the requests in every layer. q [R, Hq, D] -> out
-    [R, Hq, D], lse [R, Hq] float32 (an empty request: out 0, lse -inf)."""
+    """Decode rows (row r is request r) in one gather and one masked softmax, no Python loop over the
+    requests: q [R, Hq, D] -> out [R, Hq, D], lse [R, Hq] float32 (an empty request: 0, -inf)."""
     if part.packed is None:
         part.packed = decode_slots(part, k_cache.shape[1], q.device)
     slots, valid = part.packed
@@ -428,9 +414,8 @@ def pack_prefix(part: PagedPart, page: int, device) -> PackedPrefix:
 
 
 def flash_prefix_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
-    """Every request's rows against its whole cached prefix (no mask) in one flash varlen
-    call over K/V gathered from the pages (GQA native). Rows of requests without a prefix
-    get out 0 and lse -inf, as in the per-request loop."""
+    """Every request's rows against its whole cached prefix (no mask) in one flash varlen call over
+    K/V gathered from the pages; rows of requests without a prefix get out 0 and lse -inf."""
     page, hkv, d = k_cache.shape[1:]
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), device=q.device)

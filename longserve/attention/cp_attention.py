@@ -14,8 +14,7 @@ def _clean_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """out [T, H, D] * weight [T, H] in float32; a zero weight zeroes the row even if the
-    row is NaN (an empty shard's output is undefined)."""
+    """out [T, H, D] * weight [T, H] in float32; a zero weight zeroes a row even if it is NaN."""
     w = weight.unsqueeze(-1)
     return torch.where(w > 0, out.float() * w, 0.0)
 
@@ -28,13 +27,10 @@ def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int = 1,
                       async_op: bool = False):
-    """The CP merge's one collective, over the CP group (rank p * dcp + r).
-
-    packed [N, Hg, D + 1] (`pack_partial`): this rank's partials for the same N rows as every rank;
-    DCP rank r keeps the r-th 1/dcp of the Hg heads, PCP rank p the p-th 1/row_split of the rows.
-    Returns [W, N / row_split, Hg / dcp, D + 1] float32, source rank first (async_op: a
-    function that waits for it; the device waits, not the host). An all-gather when every
-    rank keeps everything."""
+    """The CP merge's one collective, over the CP group (rank p * dcp + r): packed [N, Hg, D + 1]
+    (`pack_partial`, the same N rows on every rank) -> [W, N / row_split, Hg / dcp, D + 1] float32,
+    source rank first (DCP rank r keeps the r-th 1/dcp of the heads, PCP rank p the p-th 1/row_split
+    of the rows; async_op: a function that waits for it, the device waits, not the host)."""
     (N, Hg, E), W = packed.shape, cp_group.world_size
     if N % row_split or Hg % dcp:
         raise ValueError(f"{N} rows / {Hg} heads must divide by {row_split} / dcp={dcp}")
@@ -58,10 +54,8 @@ def merge_partials(parts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor,
                       prefix_lse: torch.Tensor, suffix_output: torch.Tensor,
                       suffix_lse: torch.Tensor, output_lse: torch.Tensor | None = None) -> None:
-    """Merge two partial attentions of the same queries (e.g. cached context and new tokens).
-
-    Writes output [T, H, D] and, if given, output_lse [T, H] (natural-log LSEs). The
-    output may alias either input."""
+    """Merge two partial attentions of the same queries into output [T, H, D] and, if given,
+    output_lse [T, H] (natural log); the output may alias either input."""
     p_lse, s_lse = _clean_lse(prefix_lse), _clean_lse(suffix_lse)
     m = torch.maximum(p_lse, s_lse)
     m = torch.where(torch.isneginf(m), 0.0, m)  # both empty: weights become exp(-inf) = 0

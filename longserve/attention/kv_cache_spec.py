@@ -1,8 +1,6 @@
-"""What the worker needs to know about the KV cache: flat, plain-data descriptions.
-
-The scheduler's "manager block" of `AttentionSpec.block_size` tokens may be split into
-several smaller kernel blocks (see `worker.utils.prepare_kernel_block_sizes`).
-"""
+"""What the worker needs to know about the KV cache, as plain data. A manager block of
+`AttentionSpec.block_size` tokens may be split into kernel blocks (see
+`worker.utils.prepare_kernel_block_sizes`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

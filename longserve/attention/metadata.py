@@ -1,9 +1,6 @@
-"""What attention needs to know about one step, built once by the model runner.
-
-Rows of q are this rank's tokens, decodes first. With PCP the prefill rows are the
-DualChunkSwap head/tail chunks; K/V rows are all of the step's real tokens in request
-order (gathered over PCP), which is also the order of `slot_mapping`.
-"""
+"""What attention needs to know about one step, built once by the model runner. Rows of q are
+this rank's tokens, decodes first (with PCP the prefill rows are the DualChunkSwap head/tail
+chunks); K/V rows, like `slot_mapping`, are all the step's real tokens in request order."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,12 +12,8 @@ from longserve.distributed.parallel_state import ParallelState, single_rank_stat
 
 @dataclass
 class SuffixSegment:
-    """Query rows [q0, q1) see keys [k0, ka) fully and keys [ka, kb) causally (top-left).
-
-    The keys index the step's new K/V rows (request order). Keys before `ka` are the
-    request's new tokens at earlier positions (PCP chunks); [ka, kb) starts at the
-    chunk's first position.
-    """
+    """Query rows [q0, q1) see keys [k0, ka) fully and keys [ka, kb) causally (top-left); keys index
+    the step's new K/V rows (request order), [k0, ka) the request's earlier PCP chunks."""
     q0: int
     q1: int
     k0: int
@@ -30,9 +23,8 @@ class SuffixSegment:
 
 @dataclass
 class VarlenLayout:
-    """Prefill segments that tile the step's new tokens in order, each causal over itself
-    (no PCP): one variable-length kernel call can take them all. cu_seqlens counts rows
-    from the first segment's first row; its keys are K/V rows [k_begin, k_end)."""
+    """Prefill segments that tile the step's new tokens in order, each causal over itself (no PCP), for
+    one varlen kernel call; cu_seqlens counts rows from the first segment's; keys: K/V rows [k_begin, k_end)."""
     cu_seqlens: torch.Tensor  # [S+1] int32, device
     max_len: int
     k_begin: int

@@ -1,8 +1,6 @@
-"""Triton kernels for the paged KV cache: store, paged attention with LSE, merge.
-
-A layer's cache: [2, num_blocks, block_size, Hkv, D] (K = [0], V = [1]); slot = block_id *
-block_size + offset. Launch choices depend on shapes and int arguments only, never on tensor
-values (CUDA-graph capturable); everything runs under TRITON_INTERPRET=1 on CPU tensors."""
+"""Triton kernels for the paged KV cache (store, paged attention with LSE, merge). A layer's cache:
+[2, num_blocks, block_size, Hkv, D] (K = [0], V = [1]); slot = block_id * block_size + offset.
+Launch choices follow shapes and ints only (graph-capturable); all run under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import functools
@@ -17,9 +15,7 @@ LOG2E = 1.4426950408889634  # 1 / ln(2): scores go through exp2
 FP8_MAX = tl.constexpr(448.0)  # float8 e4m3fn's largest finite value (attention/kv_quant.py)
 
 
-# --------------------------------------------------------------------------------------
-# store_kv: scatter this step's keys and values into their cache slots
-# --------------------------------------------------------------------------------------
+# ---- store_kv: scatter this step's keys and values into their cache slots --------------------
 
 @triton.jit
 def _round_to_e4m3(x):
@@ -85,15 +81,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
-# --------------------------------------------------------------------------------------
-# paged attention with LSE (decode, and prefix attention of prefill chunks)
-#
+# ---- paged attention with LSE (decode, and prefix attention of prefill chunks) ---------------
 # One program owns (a tile of query rows of one request) x (one KV head) x (one KV split).
 # The tile's M dimension holds BLOCK_Q query rows times the G query heads that share the
 # KV head (row m = query row m // G, head m % G), so every K/V tile read from the cache
 # feeds G * BLOCK_Q rows of tensor-core work. KV is walked in tiles of BLOCK_N tokens whose
 # slots are looked up in the block table, with an online softmax in float32.
-# --------------------------------------------------------------------------------------
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -106,10 +99,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, PAD_PER_REQ: tl.constexpr,
                   BLOCK_R: tl.constexpr):
-    """The request whose q-tiles hold program `pid`. Request r owns programs
-    [start(r), start(r+1)) with start(r) = qsl[r] // BLOCK_Q + r * PAD_PER_REQ, a monotone
-    upper bound of its q-tile count that needs no prefix sum; r = #{start(r) <= pid} - 1.
-    One vector load of all R starts (BLOCK_R >= R): a single memory round trip."""
+    """The request whose q-tiles hold program `pid`: request r owns programs [start(r), start(r+1)),
+    start(r) = qsl[r] // BLOCK_Q + r * PAD_PER_REQ, a monotone bound of its q-tile count without a
+    prefix sum; r = #{start(r) <= pid} - 1, from one vector load of all starts (BLOCK_R >= R)."""
     r = tl.arange(0, BLOCK_R)
     r_ok = r < num_reqs
     start = tl.load(qsl_ptr + r, mask=r_ok, other=0) // BLOCK_Q + r * PAD_PER_REQ
@@ -312,18 +304,16 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.device) -> int:
-    """Enough splits for ~4 programs per SM (batch 1 at 128K: 64 splits of 8 KV heads read
-    2.8 TB/s on H100, 2 per SM 2.65), but >= 256 tokens a split (the block table's width
-    bounds the context) and at most 256 splits. Shapes only, so graph-safe."""
+    """Splits for ~4 programs per SM (batch 1 at 128K: 64 splits of 8 KV heads read 2.8 TB/s on H100,
+    2 per SM 2.65), >= 256 tokens a split (the table's width bounds the context), <= 256; shapes only."""
     want = triton.cdiv(4 * _num_sms(device), max(num_programs, 1))
     splits = max(1, min(want, triton.cdiv(max_context, 256), 256))
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants
 
 
 def _request_bucket(num_reqs: int) -> int:
-    """BLOCK_R >= R: 256 up to 256 requests. Each value is a compiled variant, and loading a few
-    hundred ints per program costs less than compiling mid-run (a bucket of 16 and one of 256
-    compiled a variant while serving: 0.5 s in a burst's TTFT, H100)."""
+    """BLOCK_R >= R: 256 up to 256 requests. Each value compiles a variant: a bucket of 16 beside
+    one of 256 compiled while serving (0.5 s in a burst's TTFT, H100); a few hundred loads cost less."""
     return max(256, triton.next_power_of_2(num_reqs))
 
 
@@ -351,12 +341,10 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 
-# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages),
-# from H100 sweeps (benchmarks/bench_decode_attn.py --sweep bf16 fp8). bf16 at 128K: 4 warps /
-# 2 stages, 2.8 TB/s of KV (2 / 3: 2.65).
+# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages) from
+# H100 sweeps (benchmarks/bench_decode_attn.py --sweep); bf16 at 128K: 2.8 TB/s of KV (2 / 3: 2.65).
 SPLIT_DECODE = (64, 4, 2)
-# 32+ query heads on a KV head (tp=2 x dcp=2 of a one-KV-head model): 2.17 -> 2.6 TB/s at
-# 64 x 16K a shard
+# 32+ query heads on a KV head (tp=2 x dcp=2, one KV head): 2.17 -> 2.6 TB/s at 64 x 16K a shard
 SPLIT_DECODE_WIDE = (128, 4, 2)
 # FP8 (V converted first, _e4m3_to_f16): 92 registers, five programs an SM, 128K in one wave:
 # 130.5 -> 113.2 us on H100 (2.37 TB/s of FP8 KV); 128-token tiles: 168, three an SM, 1.3 waves
@@ -381,8 +369,7 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
     """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]: a program per (row,
     head, 32 of head_dim), [64 splits, 32] a step, one variant up to 256 splits; cp_ranks (2-16
-    CP ranks' partials): a whole head a program (measurements: the commit log, docs/benchmarks.md).
-    """
+    CP ranks' partials): a whole head a program (measurements: the commit log, docs/benchmarks.md)."""
     num_kv_splits, T, Hq, D = o_buf.shape
     few = triton.next_power_of_2(max(num_kv_splits, 2))
     block_s, chunk_s = (few, few) if cp_ranks else (max(256, triton.next_power_of_2(num_kv_splits)), 64)
@@ -501,9 +488,8 @@ def merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device) ->
 
 
 def run_in_threads(calls: list, device: torch.device) -> None:
-    """Call each (a first launch: Triton compiles its variant) from a pool of threads: Triton
-    compiles mostly outside the GIL (LLVM, ptxas), so a cold start compiles several at once.
-    Under the interpreter (CPU tests) one at a time."""
+    """Call each (a first launch: Triton compiles) from a thread pool, as Triton compiles mostly outside
+    the GIL (LLVM, ptxas); under the interpreter (CPU tests) one at a time."""
     if device.type != "cuda":
         for call in calls:
             call()
@@ -513,9 +499,7 @@ def run_in_threads(calls: list, device: torch.device) -> None:
         list(pool.map(lambda call: call(), calls))
 
 
-# --------------------------------------------------------------------------------------
-# merge of two partial attention states (e.g. prefix over the cache + causal suffix)
-# --------------------------------------------------------------------------------------
+# ---- merge of two partial attention states (e.g. prefix over the cache + causal suffix) ------
 
 # the LSE strides and alignment follow a chunk's length (SDPA's LSE is [H, T]): unspecialized,
 # so no chunk compiles a variant mid-run (one did, 152 ms into a server's burst, H200)
@@ -534,11 +518,8 @@ def _merge_two_kernel(
     d = tl.arange(0, BLOCK_D)
     h_ok = h < H
     hd_ok = h_ok[:, None] & (d < D)[None, :]
-    pl = tl.load(p_lse_ptr + t * stride_plt + h * stride_plh, mask=h_ok, other=float("-inf"))
-    sl = tl.load(s_lse_ptr + t * stride_slt + h * stride_slh, mask=h_ok, other=float("-inf"))
-    # NaN or +inf lse: an empty/broken state, weigh it 0
-    pl = tl.where((pl != pl) | (pl == float("inf")), float("-inf"), pl)
-    sl = tl.where((sl != sl) | (sl == float("inf")), float("-inf"), sl)
+    pl = _clean(tl.load(p_lse_ptr + t * stride_plt + h * stride_plh, mask=h_ok, other=float("-inf")))
+    sl = _clean(tl.load(s_lse_ptr + t * stride_slt + h * stride_slh, mask=h_ok, other=float("-inf")))
     m = tl.maximum(pl, sl)
     m = tl.where(m == float("-inf"), 0.0, m)
     wp = tl.exp(pl - m)
@@ -560,11 +541,8 @@ def _merge_two_kernel(
 def merge_attn_states_triton(output: torch.Tensor, prefix_out: torch.Tensor, prefix_lse: torch.Tensor,
                              suffix_out: torch.Tensor, suffix_lse: torch.Tensor,
                              output_lse: torch.Tensor | None = None) -> None:
-    """output [T, H, D] = softmax-weighted merge of two attention states over disjoint keys.
-
-    outs [T, H, D], lses [T, H] float32 (natural log). NaN / +inf lse count as -inf; a row
-    where both are -inf gets output 0 and lse -inf. output_lse, if given, gets the merged lse.
-    """
+    """output [T, H, D] = softmax-weighted merge of two attention states over disjoint keys; lses [T, H]
+    float32 (natural log), NaN / +inf counting as -inf; both -inf: output 0, lse -inf."""
     T, H, D = output.shape
     if T == 0:
         return

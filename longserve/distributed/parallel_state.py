@@ -211,8 +211,7 @@ def single_rank_state() -> ParallelState:
     return ParallelState(RankLayout(1, 1, 1, 1, 0), g, g, g, g, g, g)
 
 
-# A worker waits for the driver's next step plan for as long as the engine sits idle, so the
-# model group's object channel has no real deadline; the driver watches that send instead.
+# a worker waits for the next plan as long as the engine idles: the driver watches that send instead
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
 
 
@@ -245,10 +244,8 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
 
 
 def close_process_groups(peers_present: bool) -> None:
-    """Free every process group of this process, bounded (a hung close is logged and left).
-
-    NCCL's destroy is collective, so all ranks call this together after the goodbye (SHUTDOWN);
-    with a peer already gone it aborts instead (local)."""
+    """Free every process group of this process, bounded (a hung close is logged and left). NCCL's
+    destroy is collective: all ranks call this after the goodbye; with a peer gone it aborts (local)."""
     if not dist.is_initialized():
         return
     nccl = dist.get_backend() == "nccl"

@@ -1,7 +1,5 @@
-"""Low-latency all-reduce over NVLink through torch symmetric memory: one-shot (each rank sums
-every peer's buffer) or two-shot (reduce-scatter, all-gather by peer loads); multicast off.
-Which size takes which: `ALGORITHMS`, measured (docs/architecture.md, 'Small collectives over
-NVLink')."""
+"""Low-latency all-reduce over NVLink through torch symmetric memory (one-shot or two-shot;
+multicast off); which size takes which: `ALGORITHMS` (docs/architecture.md, 'Small collectives')."""
 from __future__ import annotations
 
 import logging
@@ -24,9 +22,8 @@ _WARNED: list = []  # the failure is logged once, not once per group
 
 
 class SymmAllReduce:
-    """One process group's symmetric buffer (allocated and rendezvoused once) and the all-reduce
-    on it. all_reduce takes a tensor it can handle (True) or leaves it to NCCL (False); the
-    choice depends on shapes only, so every rank makes the same one."""
+    """One process group's symmetric buffer (allocated and rendezvoused once) and the all-reduce on it;
+    all_reduce takes a tensor (True) or leaves it to NCCL (False), by its shape alone (every rank alike)."""
 
     def __init__(self, group, device: torch.device, table):
         import torch.distributed._symmetric_memory as symm_mem
@@ -73,8 +70,7 @@ class SymmAllReduce:
 
 def create(device_group, device: torch.device) -> SymmAllReduce | None:
     """The group's symmetric-memory path, or None (gloo, a group size without a table row,
-    LONGSERVE_SYMM_MEM=0, or a failure on any rank: logged once, NCCL then). Collective over
-    the group's ranks, in the same order on each."""
+    LONGSERVE_SYMM_MEM=0, a failure on any rank: logged once). Collective over the group's ranks."""
     if device.type != "cuda" or os.environ.get(DISABLE) == "0" or \
             dist.get_backend(device_group) != "nccl":
         return None

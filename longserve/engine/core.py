@@ -48,9 +48,8 @@ class EngineCore:
         self.load_s = time.perf_counter() - t0
 
     def _warm_up(self) -> None:
-        """Run the step shapes of a light load once (a lone prompt, a prompt beside a decode, a prefix
-        hit, the sampler's paths), so Triton's per-specialization compiles (~0.5 s) miss every TTFT.
-        """
+        """Run a light load's step shapes once (a lone prompt, one beside a decode, a prefix hit, the
+        sampler's paths): Triton's per-specialization compiles (~0.5 s) then miss every TTFT."""
         from longserve.sampling_params import SamplingParams
         n = max(16, min(1024, self.config.scheduler.max_model_len // 2) // 16 * 16)
         params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
@@ -91,15 +90,13 @@ class EngineCore:
             self._num_sent.pop(request_id, None)
 
     def has_work(self) -> bool:
-        """Requests to step, a step in flight, or KV transfers to serve (a producer's held
-        blocks go back only when a step sees the consumer's release or the lease's end)."""
+        """Requests to step, a step in flight, or KV transfers (held blocks go back only in a step)."""
         return (self.scheduler.has_unfinished() or self._in_flight is not None
                 or self.scheduler.has_kv_transfers() or bool(self.structured.compiling))
 
     # ---- the loop ---------------------------------------------------------------------
     def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
-        """One scheduled step. `lockstep`: expert models' DP ranks run a forward every step,
-        a dummy one when this rank has nothing planned."""
+        """One scheduled step; `lockstep`: expert DP ranks run a forward every step (a dummy if idle)."""
         t, self._waited = time.perf_counter(), 0.0
         failed = self._admit_compiled()
         out = self.scheduler.schedule()
@@ -123,15 +120,13 @@ class EngineCore:
         return failed
 
     def _start_mask(self, out, pending) -> None:
-        """A step with structured requests: while its forward runs, their matchers (all tokens
-        up to the previous step applied) fill the bitmask on the mask thread."""
-        if pending.needs_bitmask:
+        """A structured step: while its forward runs, the matchers fill the bitmask on the mask thread."""
+        if pending.output is not None and pending.output.deferred is not None:  # it waits for a mask
             self._mask = self.structured.start_bitmask(out, self.scheduler.requests)
 
     def _sample_masked(self, pending) -> None:
-        """Its sampling, with the mask. Asynchronous scheduling launches it only after the
-        next step was planned (beside the filling), before that step's forward (which reads
-        these ids on the device)."""
+        """Its sampling, with the mask: launched after the next step was planned and before that step's
+        forward (which reads these ids on the device)."""
         if self._mask is not None:
             mask, self._mask = self._mask.result(), None
             pending.sample(mask)
@@ -152,8 +147,7 @@ class EngineCore:
         return self._apply(out, pending.result())
 
     def _step_async(self, out, idle: bool) -> list[EngineCoreOutput]:
-        """Launch step N+1, then wait for step N's sampled ids and apply them: the host plans
-        and prepares N+1 while the device still runs N."""
+        """Launch step N+1, then apply step N's sampled ids: the host plans N+1 while the device runs N."""
         if self._in_flight is not None:
             self._sample_masked(self._in_flight[1])
         launched = None if idle else (out, self.executor.execute_async(out))
@@ -226,8 +220,7 @@ class EngineCore:
         return str(e) if failure else f"{type(e).__name__}: {e}"
 
     def dp_any_unfinished(self) -> bool:
-        """Lockstep DP: whether any DP rank still has requests (one all-reduce over the DP
-        ranks' engine cores, the first rank of each replica)."""
+        """Lockstep DP: whether any DP rank still has requests (an all-reduce over the DP ranks' cores)."""
         import torch
         import torch.distributed as dist
         flag = torch.tensor([int(self.scheduler.has_unfinished() or bool(self.structured.compiling))])
@@ -262,8 +255,7 @@ class EngineCore:
         return s
 
     def decode_step_log(self, start: int = 0) -> list[tuple[int, float, float]]:
-        """(tokens, seconds, seconds waited for the device) of the decode-only steps since the
-        `start`-th (benchmarks)."""
+        """(tokens, seconds, seconds waited for the device) of decode-only steps from the `start`-th."""
         return list(self.decode_steps)[start:]
 
     def pool_state(self) -> dict:

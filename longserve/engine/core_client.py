@@ -1,7 +1,6 @@
-"""The front end's handle on its engine cores: `MPClient` (core processes over ZeroMQ: a ROUTER for
-commands, a PULL for outputs, a reader thread that also detects dead cores; with several API
-servers, `FrontEnd` attaches to cores another process started) and `InprocClient` (one
-EngineCore on a thread). docs/architecture.md, 'Engine cores and the front end'."""
+"""The front end's handle on its engine cores: `MPClient` (core processes over ZeroMQ, dead cores
+detected by its reader thread; `FrontEnd` attaches to cores another process started) and
+`InprocClient` (one EngineCore on a thread). docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import atexit
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from longserve.config import EngineConfig
 from longserve.engine.core_proc import CoreAddresses, EngineCoreProc
-from longserve.engine.executor import check_visible_gpus, free_port
+from longserve.engine.executor import free_port
 from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
                                        decode_any, decode_outputs, encode, unpack_result)
 from longserve.startup import use_kernel_cache
@@ -53,8 +52,7 @@ def core_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this process may use, in the caller's order (CUDA_VISIBLE_DEVICES: indices or
-    UUIDs), else every GPU of the host."""
+    """The GPUs this process may use, in CUDA_VISIBLE_DEVICES' order (indices or UUIDs), else all."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [d.strip() for d in listed.split(",") if d.strip()]
@@ -63,21 +61,17 @@ def visible_gpus() -> list[str]:
 
 
 def core_gpus(config: EngineConfig, num_local_cores: int) -> list[list[str]] | None:
-    """Each local engine core's GPUs: core i takes the i-th run of replica_size of the visible
-    ones. A layout that needs more than are visible is refused before anything starts."""
+    """Each local engine core's GPUs: core i takes the i-th run of replica_size of the visible ones."""
     if config.device != "cuda":
         return None
-    per_core, visible = config.parallel.replica_size, visible_gpus()
-    check_visible_gpus(per_core * num_local_cores, len(visible),
-                       f" on this host ({num_local_cores} engine core(s) x {per_core} ranks)")
+    per_core, visible = config.parallel.replica_size, visible_gpus()  # enough: the door checked
     return [visible[i * per_core:(i + 1) * per_core] for i in range(num_local_cores)]
 
 
 def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddresses,
                        gpus: list[str] | None) -> subprocess.Popen:
-    """Start DP rank `dp_rank`'s engine core; on CUDA it sees its own GPUs only. Its stdin
-    carries (how to start its workers, the config, the rest) so that it can start them
-    before importing torch (engine/__main__.py)."""
+    """Start DP rank `dp_rank`'s engine core, seeing only its GPUs; its stdin carries how to start
+    its workers, so that it starts them before importing torch (engine/__main__.py)."""
     # CUDA loads every kernel's module up front, not on a first launch mid-serving: fewer
     # first-use stalls in TTFT (docs/benchmarks.md, online serving)
     env = {"CUDA_MODULE_LOADING": "EAGER", **os.environ} if gpus is not None else None
@@ -114,16 +108,15 @@ class _Call:
 
 @dataclass
 class FrontEnd:
-    """One of several front ends (API-server processes) sharing cores that another process
-    started: its index into the addresses, and the pids of this host's cores by DP rank."""
+    """One of several front ends (API-server processes) on cores another process started: its
+    index into the addresses, and the pids of this host's cores by DP rank."""
     index: int
     addresses: CoreAddresses
     core_pids: dict[int, int]
 
 
 class PidWatch:
-    """A process that this one did not start, watched through a pidfd: poll() as Popen's
-    (None while it runs)."""
+    """A process this one did not start, watched through a pidfd: poll() as Popen's."""
 
     def __init__(self, pid: int):
         self.pid, self.returncode = pid, None
@@ -140,9 +133,8 @@ class PidWatch:
 
 
 def start_local_cores(config: EngineConfig, addresses: CoreAddresses) -> dict[int, subprocess.Popen]:
-    """One process per core of this host: `python -m longserve.engine`, its arguments pickled
-    on stdin (no re-import of the caller's script, unlike spawn); core i on the i-th run of
-    the visible GPUs."""
+    """One process per core of this host (`python -m longserve.engine`, arguments pickled on stdin:
+    no re-import of the caller's script), core i on the i-th run of the visible GPUs."""
     use_kernel_cache()  # the cores and their workers inherit it
     ranks = local_dp_ranks(config.parallel)
     gpus = core_gpus(config, len(ranks))
@@ -216,8 +208,7 @@ class MPClient:
         _live.add(self)
 
     def start(self) -> None:
-        """Start reading outputs (once the caller can take them: with several front ends a
-        wave another one started may come at once)."""
+        """Start reading outputs, once the caller can take them (another front end's wave may come)."""
         self._reader.start()
 
     # ---- start-up -----------------------------------------------------------------------
@@ -328,8 +319,7 @@ class MPClient:
 
     # ---- shutting down ----------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Tell every core to stop (they abort what is left and stop their workers), wait for
-        the local ones, kill any that lingers. Idempotent."""
+        """Tell every core to stop, wait for the local ones, kill any that lingers. Idempotent."""
         if self._closing:
             return
         ours = self.front_end is None  # else the cores are their starter's to stop
@@ -352,9 +342,8 @@ class MPClient:
 
 
 def stop_processes(procs, timeout: float, terminate: bool = False) -> None:
-    """Wait for processes to end (after SIGTERM with `terminate`): in seconds, engine cores say
-    goodbye to their workers (Executor.shutdown); `timeout`, longer than any wait inside a
-    core, is the last resort: what outlives it is killed, and named."""
+    """Wait for processes to end (after SIGTERM with `terminate`); `timeout`, longer than any wait
+    inside a core, is the last resort: what outlives it is killed, and named."""
     deadline = time.monotonic() + timeout
     for p in procs:
         if terminate and p.poll() is None:
@@ -369,9 +358,8 @@ def stop_processes(procs, timeout: float, terminate: bool = False) -> None:
 
 
 def run_headless(config: EngineConfig) -> int:
-    """A host of engine cores only (`serve --headless`): start this host's DP ranks, which
-    connect to the front end at --data-parallel-address:--data-parallel-rpc-port, and wait for
-    them to end (the front end's shutdown). SIGTERM / Ctrl-C stop them. Returns the exit status."""
+    """A host of engine cores only (`serve --headless`): start this host's DP ranks (they connect to
+    the front end) and wait for them; SIGTERM / Ctrl-C stop them. Returns the exit status."""
     import signal
     par = config.parallel
     if not par.data_parallel_rpc_port:

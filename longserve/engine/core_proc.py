@@ -1,9 +1,6 @@
-"""The engine-core process: one per DP rank, the step loop with nothing else on its GIL.
-
-An input thread decodes commands into a queue, an output thread encodes and sends (with the
-load as a heartbeat); the loop applies commands between steps. A request's outputs go to the
-front end that sent it (`Owners`). Expert models with DP > 1 step in lockstep waves.
-Diagram and rules: docs/architecture.md, 'Engine cores and the front end'."""
+"""The engine-core process: one per DP rank, the step loop with nothing else on its GIL; input and
+output threads, a request's outputs to the front end that sent it (`Owners`), lockstep waves for
+expert models: docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import logging

@@ -63,8 +63,7 @@ class DPCoordinator:
         return sum(getattr(self.stats[i], name) for i in self.live())
 
     def num_waiting(self) -> int:
-        """Waiting in the live cores as they last reported, plus this front end's requests
-        they had not taken by then."""
+        """Waiting in the live cores as last reported, plus this front end's requests not taken by then."""
         return self.total("num_waiting") + sum(self.in_flight(i) for i in self.live())
 
     def kv_usage(self) -> float:

@@ -48,15 +48,10 @@ def process_state(pid: int) -> str:
         return "?"
 
 
-def is_timeout(e: BaseException) -> bool:
-    return "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
-
-
 class Executor:
-    """Owns the replica's first rank (in this process) and, when the replica has several
-    ranks, the other ranks' processes. An expert model's DP ranks share one torch.distributed
-    world (their expert layers span it): then this replica's ranks are `base ..
-    base + replica_size - 1` of it and `init_method` names the world's rendezvous."""
+    """Owns the replica's first rank (in this process) and its other ranks' processes. An expert
+    model's DP ranks share one world: this replica's ranks are base .. base + replica_size - 1
+    of it and `init_method` names its rendezvous."""
 
     def __init__(self, config: EngineConfig, init_method: str | None = None,
                  timeline: Timeline | None = None, started: WorkerProcs | None = None):
@@ -74,8 +69,6 @@ class Executor:
         self._closing, self._step = False, 0
         self._threads, self._owns_groups = None, False
         self._torchrun = self.world > 1 and launched_by_torchrun()
-        if config.device == "cuda" and not self._torchrun:
-            check_visible_gpus(config.parallel.replica_size)
         if self.world > 1 and not self._torchrun:
             make_room_for_process_group()
         self._threads = torch.get_num_threads()  # the driver's, restored at shutdown
@@ -163,7 +156,7 @@ class Executor:
         deadline = time.monotonic() + 2.0  # a closed connection: let the watchdog see who died
         while self.procs and self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.failure is None and is_timeout(e):
+        if self.failure is None and ("timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()):
             self.failure = self._unresponsive(what)
         if self.failure is None:
             return e
@@ -180,8 +173,8 @@ class Executor:
 
     # ---- steps ------------------------------------------------------------------------
     def execute_async(self, out: SchedulerOutput) -> "PendingStep":
-        """Launch one step: every rank has its plan and rank 0's kernels are queued; the
-        sampled ids come back through the returned PendingStep (asynchronous scheduling)."""
+        """Launch one step (every rank has its plan, rank 0's kernels are queued); the sampled ids come
+        back through the PendingStep."""
         if self.failure:
             raise RuntimeError(f"{self.failure}; this engine cannot run: build a new LLM")
         if self._closing:
@@ -225,10 +218,8 @@ class Executor:
         return self.kv_aggregator.aggregate(self.driver.ps.model.gather_object(result))
 
     def shutdown(self) -> None:
-        """Stop the workers and free the groups, ports and memory. Idempotent. The goodbye:
-        SHUTDOWN to every rank, then all ranks close their process groups together (NCCL's
-        teardown is collective) and the workers exit by themselves; one still there after
-        min(timeout, 10 s) is killed (the last resort)."""
+        """Stop the workers and free the groups, ports and memory; idempotent. All ranks close their
+        groups together (NCCL's teardown is collective); a worker left after min(timeout, 10 s) is killed."""
         if self._closing:
             return
         self._closing = True
@@ -269,19 +260,13 @@ class Executor:
 
 
 class PendingStep:
-    """A launched step; result() waits for its sampled ids (and nothing else), watched like
-    any wait on the other ranks."""
+    """A launched step; result() waits for its sampled ids, watched like any wait on the other ranks."""
 
     def __init__(self, executor: Executor, step: int, output: ModelRunnerOutput | None):
         self.executor, self.step, self.output = executor, step, output
 
-    @property
-    def needs_bitmask(self) -> bool:
-        return self.output is not None and self.output.deferred is not None
-
     def sample(self, bitmask: tuple) -> None:
-        """A step with structured requests: sample with their grammar bitmask (rank 0 samples
-        and broadcasts the ids; the other ranks wait for them inside the step)."""
+        """A structured step: sample with the grammar bitmask (rank 0 samples and broadcasts the ids)."""
         ex = self.executor
         ex._in_step(f"sampling step {self.step}", ex.driver.runner.sampling.sample_deferred, self.output, bitmask)
 
@@ -339,14 +324,6 @@ def reap(procs: list, timeout_s: float) -> None:
         kill_and_reap(stuck)
 
 
-def check_visible_gpus(need: int, have: int | None = None, what: str = "") -> None:
-    """Refuse a layout that needs more GPUs than this process sees (`have`: the device count)."""
-    have = torch.cuda.device_count() if have is None else have
-    if need > have:
-        raise ValueError(f"this layout needs {need} GPUs{what} but {have} are visible "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
-
-
 def make_room_for_process_group() -> None:
     """torch.distributed has one default group a process: shut down the engine holding it."""
     for old in list(_live):
@@ -362,9 +339,8 @@ def make_room_for_process_group() -> None:
 
 
 def watch(ref: weakref.ref) -> None:
-    """The watchdog: poll the children (only this thread reaps them while the engine runs).
-    A dead worker records the failure and kills the workers so that rank 0's pending
-    collective fails at once."""
+    """The watchdog (the only reaper while the engine runs): a dead worker records the failure and
+    kills the others so that rank 0's pending collective fails at once."""
     while True:
         ex = ref()
         # no children (a DP rank of an expert model is a replica of one rank): nothing to watch,

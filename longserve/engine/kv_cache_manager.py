@@ -1,8 +1,6 @@
-"""Block pool and per-request block allocation, with prefix caching.
-
-Counts in virtual blocks of `tokens_per_block` = block_size * W tokens (W CP ranks,
-cp_slot_mapping.py). A full block is named by a hash chain h_i = hash((h_{i-1}, its tokens));
-free blocks wait in an LRU queue, cached ones keeping their hash until taken (evicted)."""
+"""Block pool and per-request block allocation with prefix caching, in virtual blocks of
+`tokens_per_block` = block_size * W tokens (W CP ranks). A full block is named by a hash chain
+h_i = hash((h_{i-1}, its tokens)); free blocks wait in an LRU queue, cached ones keep their hash."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -11,9 +9,8 @@ from longserve.engine.request import Request
 
 
 def compute_block_hashes(request: Request, num_full: int, tokens_per_block: int) -> list[int]:
-    """The hash chain of the request's first `num_full` blocks, extending the one it has: each
-    block's hash covers its tokens and its parent's hash (so, the whole prefix). Only the new
-    blocks' tokens are read."""
+    """The hash chain of the request's first `num_full` blocks (each hash covers its block's tokens
+    and its parent's hash), extending the one it has: only the new blocks' tokens are read."""
     hashes = list(request.block_hashes)
     tokens = request.token_ids_slice(len(hashes) * tokens_per_block, num_full * tokens_per_block)
     for i in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
@@ -23,10 +20,7 @@ def compute_block_hashes(request: Request, num_full: int, tokens_per_block: int)
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache has no blocks (num_blocks={num_blocks}); "
-                             "give it more memory or a smaller block size")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # >= 1: Worker.determine_num_blocks refuses an empty cache
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
@@ -70,9 +64,8 @@ class KVCacheManager:
         return -(-num_tokens // self.tokens_per_block)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest run of cached full blocks at the start of the request, and its token count.
-
-        At least one token is always left to compute: its logits give the next token."""
+        """Longest run of cached full blocks at the start of the request, and its token count (at least
+        one token is left to compute: its logits give the next token)."""
         if not self.enable_prefix_caching:
             return [], 0
         request.block_hashes = compute_block_hashes(

@@ -28,8 +28,7 @@ MULTIPROCESSING = "LONGSERVE_ENABLE_MULTIPROCESSING"
 
 
 def use_multiprocessing(config: EngineConfig) -> bool:
-    """Engine cores in processes of their own, unless asked not to (one core only) or under
-    torchrun (rank 0's process drives its replica, the others are its workers)."""
+    """Engine cores in processes of their own, unless asked not to (one core only) or under torchrun."""
     return config.parallel.data_parallel_size > 1 or (
         os.environ.get(MULTIPROCESSING, "1") != "0" and not launched_by_torchrun())
 
@@ -37,8 +36,8 @@ def use_multiprocessing(config: EngineConfig) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
                  front_end: FrontEnd | None = None, started_at: float | None = None):
-        """front_end: one of several API servers, on cores that another process started;
-        started_at: when the caller began (start-up timeline)."""
+        """front_end: one of several API servers, on cores another process started;
+        started_at: when the caller began."""
         t0 = started_at or time.time()
         use_kernel_cache()
         self.config, self.max_waiting = config, max_waiting
@@ -80,8 +79,7 @@ class LLMEngine:
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> dict:
-        """A conversation -> {"prompt": rendered text, "prompt_token_ids": ...}; the template
-        writes any BOS itself, so the tokenizer adds no special tokens."""
+        """A conversation -> {"prompt": text, "prompt_token_ids": ...}; the template writes any BOS itself."""
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model.path!r} has no tokenizer; chat needs one")
         text = render_chat(self.tokenizer_info, messages, add_generation_prompt, chat_template)
@@ -93,7 +91,7 @@ class LLMEngine:
     # ---- the door ---------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams,
                      data_parallel_rank: int | None = None) -> EngineCoreRequest:
-        """Validate one prompt (see longserve/inputs.py) and its parameters into a request;
+        """Validate one prompt (longserve/inputs.py) and its parameters into a request;
         data_parallel_rank pins it to one DP rank."""
         check_dp_rank(data_parallel_rank, self.config.parallel.data_parallel_size)
         if not isinstance(params, SamplingParams):
@@ -108,7 +106,14 @@ class LLMEngine:
         req = EngineCoreRequest(f"{self._id_prefix}{next(self._ids)}", ids, params, self.config.model.eos_token_ids,
                                 time.perf_counter(), data_parallel_rank, kv_params or None, text)
         if kv_params:
-            self.check_kv_transfer_params(req)
+            if params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: the "
+                                 "prompt's KV is loaded, not computed (ask the producer for them)")
+            if self.config.kv_transfer.kv_role is None:
+                raise ValueError("kv_transfer_params need an instance started with a kv_role "
+                                 "(kv_transfer_config={'kv_role': 'kv_consumer'})")
+            from longserve.kv_transfer.p2p import validate_kv_transfer_params
+            validate_kv_transfer_params(self.config, kv_params, ids)
         return req
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -152,21 +157,11 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, m.vocab_size, m.eos_token_ids)
         self._grammars.check(so)
 
-    def check_kv_transfer_params(self, req: EngineCoreRequest) -> None:
-        if req.sampling_params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: the "
-                             "prompt's KV is loaded, not computed (ask the producer for them)")
-        if self.config.kv_transfer.kv_role is None:
-            raise ValueError("kv_transfer_params need an instance started with a kv_role "
-                             "(kv_transfer_config={'kv_role': 'kv_consumer'})")
-        from longserve.kv_transfer.p2p import validate_kv_transfer_params
-        validate_kv_transfer_params(self.config, req.kv_transfer_params, req.prompt_token_ids)
-
     # ---- requests in flight -----------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, loop=None,
                     sink: queue.SimpleQueue | None = None) -> RequestStream | queue.SimpleQueue:
-        """Queue a validated request. Its outputs go to a new RequestStream (deltas; read by
-        a thread, or by `loop`), or, with `sink`, its RequestOutput goes there at the end."""
+        """Queue a validated request: its deltas go to a new RequestStream (read by a thread, or by
+        `loop`), or with `sink` its final RequestOutput goes there."""
         if self.error is not None or self._closed:
             raise EngineDeadError(self.error or "the engine is shutting down")
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
@@ -210,8 +205,7 @@ class LLMEngine:
             self.coordinator.on_wave_finished(msg.wave_finished)
 
     def _on_dead(self, core: int, reason: str) -> None:
-        """A core died: its requests fail. Expert models' cores step together, so all fail;
-        dense models' other cores go on serving."""
+        """A core died: its requests fail (all, for expert models: their cores step together)."""
         logger.error(reason)
         self.coordinator.dead.add(core)
         if self.config.dp_lockstep or len(self.coordinator.dead) == self.coordinator.num_cores:
@@ -256,8 +250,7 @@ class LLMEngine:
 
     @property
     def core(self):
-        """The EngineCore itself, when it runs in this process (tests and debugging: the
-        scheduler, the KV cache manager, the executor's workers)."""
+        """The EngineCore itself, when it runs in this process (tests and debugging)."""
         if not isinstance(self.client, InprocClient):
             raise RuntimeError(f"the engine cores run in processes of their own; use "
                                f"engine.call(...) or {MULTIPROCESSING}=0")

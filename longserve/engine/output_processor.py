@@ -50,23 +50,18 @@ class StreamOutput:
 
 
 class RequestStream:
-    """One request's outputs, read by a thread (`for out in stream`) or a loop (`batches()`);
-    it ends when all its `n` choices have. Deltas of a choice that queued up while the
-    reader was busy come merged into one."""
+    """One request's outputs, read by a thread (`for out in stream`) or a loop (`batches()`) until all
+    its `n` choices end; a choice's deltas that queued up while the reader was busy come merged."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None, n: int = 1):
         self.request_id, self.loop, self.n = request_id, loop, n
         self.queue = asyncio.Queue() if loop is not None else queue.SimpleQueue()
 
-    def _drain(self, first) -> list:
+    def _take(self, first):
+        """`first` and what queued up behind it: (one merged StreamOutput per choice, an error or None)."""
         items = [first]
         while not self.queue.empty():
             items.append(self.queue.get_nowait())
-        return items
-
-    @staticmethod
-    def _combine(items: list):
-        """(one merged StreamOutput per choice, an error or None)."""
         merged: dict[int, StreamOutput] = {}
         for out in items:
             if isinstance(out, StreamOutput):
@@ -76,7 +71,7 @@ class RequestStream:
     def __iter__(self):
         left = self.n
         while left:
-            outs, error = self._combine(self._drain(self.queue.get()))
+            outs, error = self._take(self.queue.get())
             yield from outs
             left -= sum(o.finished for o in outs)
             if left and error is not None:
@@ -86,7 +81,7 @@ class RequestStream:
         """On a loop: lists of what queued up since the last (one merged delta per choice)."""
         left = self.n
         while left:
-            outs, error = self._combine(self._drain(await self.queue.get()))
+            outs, error = self._take(await self.queue.get())
             yield outs
             left -= sum(o.finished for o in outs)
             if left and error is not None:
@@ -148,8 +143,7 @@ class OutputProcessor:
             self._choices.update((cid, (state, c)) for cid, c in zip(request.choice_ids, choices))
 
     def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
-        """Apply one step's outputs of a core; returns the choices that a stop string ended
-        here (their core must abort them)."""
+        """Apply one step's outputs of a core; returns the choices a stop string ended here (to abort)."""
         now, deliveries, stopped = time.perf_counter(), [], []
         with self._lock:
             for o in outputs:
@@ -238,8 +232,8 @@ class OutputProcessor:
             else None)
 
     def abort(self, request_id: str) -> tuple[int | None, list[str]]:
-        """Ended by the front end (a client gone, a failed caller): the reader gets the end;
-        returns its core and the core's ids of its choices (none if it had ended)."""
+        """Ended by the front end (a client gone, a failed caller); returns its core and the core's ids
+        of its choices (none if it had ended)."""
         with self._lock:
             state = self._states.get(request_id)
             if state is None:

@@ -25,13 +25,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    # (the token's rank, {token: logprob, top-k...}) for prompt positions 1, 2, ... collected so
-    # far (SamplingParams.prompt_logprobs)
+    # (the token's rank, {token: logprob, top-k...}) for prompt positions 1, 2, ... so far
     prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
-    # block hashes of the full blocks of all_token_ids (prefix caching)
+    # block hashes of the full blocks of prompt + output tokens (prefix caching)
     block_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -39,22 +38,16 @@ class Request:
     kv_transfer_params: dict | None = None  # in: from the client (a consumer loads); out: a producer's
     num_external_tokens: int = 0  # tokens an asynchronous load brings
     error: str | None = None
-    # Asynchronous scheduling: tokens sampled by steps whose results the host has not read yet
-    # (their values live on the GPU; the plan carries PLACEHOLDER for them), and steps that
-    # include the request and are not applied yet.
+    # asynchronous scheduling: tokens sampled but not read back yet (PLACEHOLDER in the plan),
+    # and steps with the request not applied yet
     num_output_placeholders: int = 0
     num_steps_in_flight: int = 0
-    # choices 1..n-1 of an n > 1 request (choice 0): parked until its prompt is planned to
-    # its end, then forked onto its prompt blocks (Scheduler._fork)
+    # choices 1..n-1 of an n > 1 request: parked until its prompt is planned (Scheduler._fork)
     children: list[Request] = field(default_factory=list)
     grammar: object | None = None  # structured outputs: its GrammarState (structured_output.py)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building the whole list (a decode step needs one)."""
+        """(prompt + output tokens)[start:end] without building the whole list (a decode needs one)."""
         n_prompt = len(self.prompt_token_ids)
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
@@ -65,11 +58,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_tokens_with_placeholders(self) -> int:
-        """Known tokens plus those sampled on the device and not read back yet."""
-        return self.num_tokens + self.num_output_placeholders
 
     def scheduled_token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) for the plan: PLACEHOLDER where the token is still on the device."""

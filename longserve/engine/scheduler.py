@@ -1,10 +1,7 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
-
-Each step spends a token budget: running requests first, then waiting ones; when the KV pool
-runs short the most recently admitted running request is preempted. Liveness (the door rule
-`check_fits`), placeholders of asynchronous scheduling and the fork of several choices:
-docs/architecture.md, 'Bad input and liveness', 'Asynchronous scheduling', 'Several choices'.
-A request that needs prompt logprobs recomputes its prompt rather than read the prefix cache."""
+"""Continuous batching with chunked prefill and preemption by recompute: running requests first,
+then waiting ones; when the pool runs short the last admitted is preempted. A request that needs
+prompt logprobs recomputes its prompt. Liveness (`check_fits`), placeholders and forks of several
+choices: docs/architecture.md, 'Bad input and liveness', 'Asynchronous scheduling', 'Several choices'."""
 from __future__ import annotations
 
 from collections import deque
@@ -72,19 +69,15 @@ class Scheduler:
             (decodes if n == 1 and req.num_computed_tokens > 0 else chunks).append((req, n))
         out.requests = [self._describe_and_advance(req, n) for req, n in decodes + chunks]
         if self.connector is not None:
-            self._attach_connector_meta(out)
+            out.kv_connector_metadata = meta = self.connector.build_connector_meta(out)
+            if meta is not None and meta.filled_block_ids:  # the connector initialises these itself
+                filled = set(meta.filled_block_ids)
+                out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
         return out
 
-    def _attach_connector_meta(self, out: SchedulerOutput) -> None:
-        out.kv_connector_metadata = meta = self.connector.build_connector_meta(out)
-        if meta is not None and meta.filled_block_ids:  # the connector initialises these itself
-            filled = set(meta.filled_block_ids)
-            out.new_block_ids = [b for b in out.new_block_ids if b not in filled]
-
     def _fork(self, parent: Request) -> None:
-        """The parent's prompt is planned to its end: its other choices join the running list sharing
-        its full prompt blocks (docs/architecture.md, 'Several choices'); each recomputes the prompt's
-        last block in a block of its own."""
+        """The parent's prompt is planned to its end: its other choices join the running list, sharing
+        its full prompt blocks; each recomputes the last block in its own (architecture: 'Several choices')."""
         shared = parent.block_ids[:(parent.num_prompt_tokens - 1) // self.kv.tokens_per_block]
         for child in [c for c in parent.children if not c.is_finished]:  # (aborted while parked)
             child.block_ids = self.kv.share(shared)
@@ -221,7 +214,7 @@ class Scheduler:
     def _describe_and_advance(self, req: Request, n: int) -> ScheduledRequest:
         """The request's share of the plan; then its chunk counts as computed (a sampling
         chunk leaves a placeholder). Runs for every planned request: each number read once."""
-        start, total = req.num_computed_tokens, req.num_tokens_with_placeholders
+        start, total = req.num_computed_tokens, req.num_tokens + req.num_output_placeholders
         end = start + n
         sent = self._num_blocks_sent.get(req.request_id)
         self._num_blocks_sent[req.request_id] = len(req.block_ids)
@@ -262,9 +255,8 @@ class Scheduler:
                            logprobs: dict[str, dict[int, float]] | None = None,
                            prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
                            ) -> list[Request]:
-        """Apply a step's results: sampled tokens replace placeholders, full blocks enter the
-        prefix cache, finished requests leave; returns the finished. A request preempted
-        while the step ran still gets its token (it is recomputed with it)."""
+        """Apply a step's results; returns the finished requests. A request preempted while the step ran
+        still gets its token (it is recomputed with it)."""
         finished, self._finished_in_schedule = self._finished_in_schedule, []
         for rid in out.decodes.req_ids:  # (each sampled one token)
             req = self.requests.get(rid)

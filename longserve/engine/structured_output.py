@@ -57,8 +57,8 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """A request's matcher and the tokens sampled for it that it has not accepted yet. The
-    step loop appends (`pending`, at apply); the mask thread accepts them (`_accept`)."""
+    """A request's matcher and the tokens sampled for it not accepted yet (`pending`: appended by the
+    step loop, accepted by the mask thread)."""
 
     def __init__(self, matcher):
         self.matcher, self.stop_ids = matcher, frozenset(matcher.stop_token_ids)
@@ -67,8 +67,8 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    """The engine core's side: compiles off the step loop, keeps requests out of the
-    scheduler until their matcher is ready, builds the bitmask of a step."""
+    """The engine core's side: compiles off the step loop, holds requests back until their matcher is
+    ready, builds a step's bitmask."""
 
     def __init__(self, model: ModelConfig):
         self.model = model
@@ -100,8 +100,8 @@ class StructuredOutputManager:
             req.children = [c for c in req.children if c.request_id != req_id]
 
     def ready(self, block: bool) -> list[Request]:
-        """Requests whose grammar compiled (a matcher attached) or failed (finished with the
-        error), in arrival order. block: wait up to 50 ms for one (nothing else to do)."""
+        """Requests whose grammar compiled (a matcher attached) or failed (finished with the error), in
+        arrival order; block: wait up to 50 ms for one."""
         if block and self.compiling:
             wait([f for _, f in self.compiling.values()], 0.05, FIRST_COMPLETED)
         out = []
@@ -118,22 +118,19 @@ class StructuredOutputManager:
         return out
 
     def start_bitmask(self, out: SchedulerOutput, requests: dict[str, Request]) -> Future:
-        """`bitmask` on the mask thread, for the plan's sampling rows with a grammar (their
-        pending tokens taken here). Until its result is taken nothing may sample for them."""
+        """`bitmask` on the mask thread for the plan's sampling rows with a grammar; nothing may sample
+        for them until its result is taken."""
         sampling = [requests.get(rid) for rid in out.sampling_req_ids()]
         rows = [i for i, q in enumerate(sampling) if q is not None and q.grammar is not None]
-        work = []
-        for i in rows:
-            g = sampling[i].grammar
-            work.append((g, g.pending))
+        work = [(sampling[i].grammar, sampling[i].grammar.pending) for i in rows]
+        for g, _ in work:
             g.pending = []
         return self._mask_pool.submit(self.bitmask, rows, work)
 
     def bitmask(self, rows: list[int], work: list[tuple[GrammarState, list[int]]]
                 ) -> tuple[torch.Tensor, list[int]]:
-        """Accept each row's tokens, then int32 [R, ceil(V' / 32)] for the rows whose matcher
-        is live, and those rows (indices among the plan's sampling requests); V' <= the
-        model's vocabulary (the ids the tokenizer has, `GrammarCompiler.mask_vocab`)."""
+        """Accept each row's tokens; then int32 [R, ceil(V' / 32)] for the rows whose matcher is live, and
+        those rows (among the plan's sampling requests); V' = `GrammarCompiler.mask_vocab`."""
         self._accept(work)
         live = [(i, g.matcher) for i, (g, _) in zip(rows, work) if not g.matcher.is_terminated()]
         xgr = self._compiler.xgr

@@ -58,9 +58,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    """`longserve chat`: a conversation, one answer per line of stdin with the history kept
-    (on a terminal streamed as it comes, piped one JSON line each), until EOF; with --prompt or
-    --prompt-file, generate --chat."""
+    """`longserve chat`: one answer per line of stdin, the history kept (streamed on a terminal, a
+    JSON line each when piped); with --prompt or --prompt-file, generate --chat."""
     if args.prompt or args.prompt_file:
         return cmd_generate(args)
     llm, params, history, tty = make_llm(args), sampling_from_args(args), [], sys.stdin.isatty()
@@ -177,11 +176,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompt-file", help="a file with one prompt per line")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    for flag, type_, default in (("--max-tokens", int, 32), ("--temperature", float, 0.0), ("--top-k", int, 0),
+                                 ("--top-p", float, 1.0), ("--sampling-seed", int, None)):
+        gen.add_argument(flag, type=type_, default=default)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--chat", action="store_true",
@@ -199,9 +196,8 @@ def main(argv=None) -> None:
         gen.set_defaults(func=cmd_chat if name == "chat" else cmd_generate, chat=name == "chat")
     bench = sub.add_parser("bench", help="offline throughput and time to first token")
     EngineArgs.add_cli_args(bench)
-    bench.add_argument("--input-len", type=int, default=128)
-    bench.add_argument("--output-len", type=int, default=32)
-    bench.add_argument("--num-prompts", type=int, default=16)
+    for flag, default in (("--input-len", 128), ("--output-len", 32), ("--num-prompts", 16)):
+        bench.add_argument(flag, type=int, default=default)
     bench.set_defaults(func=cmd_bench)
     serve = sub.add_parser("serve", help="serve the OpenAI HTTP API (completions, chat, metrics)")
     EngineArgs.add_cli_args(serve)

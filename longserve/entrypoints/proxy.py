@@ -1,12 +1,8 @@
 """`longserve proxy --prefill URL --decode URL`: a disaggregated pair behind one OpenAI endpoint.
-
-Each completion / chat request goes to the prefill instance with one output token and
-`kv_transfer_params: {"do_remote_decode": true}`; the decode instance then gets the original
-request plus the `kv_transfer_params` the prefill instance returned, and its answer (a stream
-or one JSON body) is relayed as is. A client that disconnects closes the decode stream (the
-decode instance aborts); one gone before the prefill answers gets no decode at all. Blocks the
-prefill instance holds for a decode that never pulls go back at the end of their lease.
-Without --prefill every request goes to --decode as is (a colocated layout behind the same hop)."""
+A request goes to the prefill instance with one output token and `kv_transfer_params:
+{"do_remote_decode": true}`, then to the decode instance with the params that came back; its
+answer (a stream or one body) is relayed as is, and a client gone closes the decode stream (one
+gone before the prefill answers gets no decode). Without --prefill requests go to --decode as is."""
 from __future__ import annotations
 
 import argparse

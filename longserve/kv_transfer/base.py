@@ -37,8 +37,7 @@ def build_worker_connector(config, ps, device):
 
 
 def build_scheduler_connector(config, kv_manager, bytes_per_block: int, store=None):
-    """The scheduler side for this engine's KV transfer config (None: no connector).
-    `store`: the producer's TCP store (hosted by the engine, see p2p.host_store)."""
+    """The scheduler side for this engine's KV transfer config (None: none); `store`: p2p.host_store's."""
     kvt = config.kv_transfer
     if kvt.kv_offload_bytes:
         from longserve.kv_transfer.offload import OffloadConnectorScheduler, num_host_blocks

@@ -101,8 +101,7 @@ class OffloadConnectorWorker:
         self.host_caches: dict[str, torch.Tensor] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_scales=None) -> None:
-        """The host pool holds the caches' bytes (an FP8 cache: 1 byte an element; its scales
-        stay with the layers, the same on the way back)."""
+        """The host pool holds the caches' bytes (an FP8 cache's scales stay with the layers)."""
         seen = set()
         for name, cache in kv_caches.items():
             if cache.data_ptr() in seen:  # a layer that reads another layer's cache

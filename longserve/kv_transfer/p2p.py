@@ -59,7 +59,7 @@ def host_store(config):
 
 def validate_kv_transfer_params(config, p, prompt_token_ids: list[int]) -> None:
     """At the door: a consumer's params must come from a producer of this model and prompt."""
-    if not isinstance(p, dict) or not p.get("do_remote_prefill"):
+    if not p.get("do_remote_prefill"):  # (a dict: the door checked)
         return
     role = config.kv_transfer.kv_role
     if role not in ("kv_consumer", "kv_both"):
@@ -134,8 +134,7 @@ class P2pConnectorScheduler:
         self.num_loaded_tokens += num_external_tokens
 
     def _release(self, p: dict) -> None:
-        """Tell the producer it may free the request's blocks (best effort: a dead producer's
-        blocks are gone anyway)."""
+        """Tell the producer it may free the request's blocks (best effort: a dead producer's are gone)."""
         addr = (p["remote_host"], int(p["remote_port"]))
         try:
             if addr not in self._stores:
@@ -437,9 +436,8 @@ class P2pConnectorWorker:
 
     def _pull(self, store, p: dict, remote_rank: int, pair: str, pieces: list, remote: KVLayout,
               rng: PieceRange, times: dict) -> bool:
-        """Whether the producer still held the request (then its pieces are in place). times:
-        seconds in group set-up, control (post + the producer's status) and the payloads
-        (receive + unpack), added up over the producer ranks."""
+        """Whether the producer still held the request (then its pieces are in place); adds to `times`
+        the seconds in group set-up, control and payloads."""
         chunk = max(1, len(self.caches) // 4)
         t0 = time.perf_counter()
         post_pull(store, p["remote_engine_id"], remote_rank, dict(

@@ -62,9 +62,8 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KVPiece:
-    """A run of heads that local rank `local_rank` reads from `remote_rank`, for the positions
-    that the local CP rank and the remote CP rank both own. Head offsets are into each
-    side's own cache (its first head is 0)."""
+    """A run of heads that `local_rank` reads from `remote_rank`, for the positions both CP ranks own;
+    head offsets are into each side's own cache."""
     local_rank: int
     remote_rank: int
     local_cp_rank: int

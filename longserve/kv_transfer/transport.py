@@ -1,7 +1,6 @@
-"""The byte transport: one process group per (producer rank, consumer rank) pair, from the
-producer's TCPStore (producer rank 0, consumer rank 1), built and warmed once, rebuilt under a
-new epoch after a failure. A pull: a message on `pullq/<engine>/<rank>` in the store, then over
-the pair's group a status word (1: held) and the pieces with tags 1, 2, ..."""
+"""The byte transport: a process group per (producer rank, consumer rank) pair from the producer's
+TCPStore, built once, rebuilt under a new epoch after a failure. A pull: a message on
+`pullq/<engine>/<rank>`, then a status word (1: held) and the pieces (tags 1, 2, ...)."""
 from __future__ import annotations
 
 import datetime
@@ -84,9 +83,8 @@ class PairGroups:
             self.groups.pop(key, None)
 
     def send_all(self, group, payloads, first_tag: int = 0, deadline: float | None = None) -> None:
-        """Send the payloads (an iterator that makes each when asked) with tags first_tag, ...:
-        payload i+1 is packed while payload i is on the wire. No wait outlasts `deadline`
-        (time.time(); a lease's end)."""
+        """Send the payloads (made when asked: i+1 is packed while i is on the wire) with tags first_tag,
+        ...; no wait outlasts `deadline` (time.time(): a lease's end)."""
         pending = None
         for tag, t in enumerate(payloads, first_tag):
             work = (group.send([t], 1, tag), t)  # keep t alive until its send is done

@@ -1,8 +1,6 @@
 """KV-transfer helpers with the names of vLLM's kv_connector/utils.py (see the seed contract).
-
-Cache shapes here: one layer's cache is [2, num_blocks, block_size, num_kv_heads, head_dim]
-(K and V outermost, NHD blocks). The receive-side fix-ups work on one of K or V, i.e. a
-[num_blocks, ...] tensor whose block rows hold the bytes as they arrived."""
+A layer's cache is [2, num_blocks, block_size, num_kv_heads, head_dim] (NHD blocks); the
+receive-side fix-ups work on one of K or V, [num_blocks, ...] with the bytes as they arrived."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -22,11 +20,9 @@ class KVConnectorOutput:
 
 
 class KVOutputAggregator:
-    """Unites the workers' connector outputs into the one the scheduler reads.
-
-    A request is finished sending (receiving) only once every one of the
-    `expected_finished_count` workers that hold part of its KV (TP x PCP ranks; DCP ranks
-    are TP ranks) has said so; counts persist across steps. Invalid block ids are united."""
+    """Unites the workers' connector outputs into the one the scheduler reads: a request is finished
+    sending (receiving) once all `expected_finished_count` workers holding part of its KV (TP x PCP
+    ranks) have said so, counted across steps; invalid block ids are united."""
 
     def __init__(self, expected_finished_count: int):
         if expected_finished_count < 1:
@@ -88,10 +84,8 @@ def kv_postprocess_layout_on_receive(cache: torch.Tensor, indices: torch.Tensor)
 
 def kv_postprocess_blksize_on_receive(cache: torch.Tensor, indices: torch.Tensor,
                                       block_size_ratio: int) -> None:
-    """cache [num_blocks, H, local_N, D] (HND) whose blocks at `indices` each hold
-    `block_size_ratio` remote HND blocks back to back: |h0-b0|h1-b0|..|h0-b1|h1-b1|..
-    Regroup to |h0-b0 b1 ..|h1-b0 b1 ..|: view as (ratio, H, remote_N, D), permute to
-    (H, ratio, remote_N, D), flatten to (H, local_N, D)."""
+    """cache [num_blocks, H, local_N, D] (HND) whose blocks at `indices` each hold `block_size_ratio`
+    remote HND blocks back to back (|h0-b0|h1-b0|..|h0-b1|..) -> regrouped |h0-b0 b1 ..|h1-b0 b1 ..|."""
     n, heads, local_n, dim = cache.shape
     if local_n % block_size_ratio:
         raise ValueError(f"block_size_ratio {block_size_ratio} does not divide block size {local_n}")
@@ -112,9 +106,8 @@ def kv_postprocess_blksize_and_layout_on_receive(cache: torch.Tensor, indices: t
 
 # ---- the step plan -------------------------------------------------------------------
 def yield_req_data(scheduler_output) -> Iterator[tuple[str, tuple[list[int], ...], bool]]:
-    """(req_id, new_block_id_groups, preempted) for every request of the step: the blocks it
-    was given since the workers last heard of it (one group: we have one KV-cache group), and
-    whether it comes back after a preemption (its block list then starts over)."""
+    """(req_id, new_block_id_groups, preempted) for every request of the step: its blocks since the
+    workers last heard of it (one KV-cache group), and whether its block list starts over."""
     for r in scheduler_output.all_requests():
         yield r.req_id, (list(r.block_ids),), bool(r.new and r.resumed_from_preemption)
 
@@ -137,11 +130,9 @@ def _contiguous_run(ids: list[int]) -> bool:
 def copy_kv_blocks(src_kv_caches: dict[str, torch.Tensor], dst_kv_caches: dict[str, torch.Tensor],
                    src_block_ids: list[int], dst_block_ids: list[int],
                    direction: Literal["h2d", "d2h"]) -> None:
-    """Copy blocks src_block_ids[i] -> dst_block_ids[i] of every layer (dim 1 is the block).
-
-    One transfer per layer and K/V: the source blocks are gathered on their own side (a slice
-    when they are a contiguous run), moved in one copy (non-blocking from/to pinned memory; the
-    caller orders it with its stream) and scattered (a slice copy when contiguous)."""
+    """Copy blocks src_block_ids[i] -> dst_block_ids[i] of every layer (dim 1 is the block): per layer
+    and K/V one gather (a slice when contiguous), one copy (non-blocking with pinned memory; the
+    caller orders it with its stream) and one scatter."""
     if direction not in ("h2d", "d2h"):
         raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
     if not src_block_ids:

@@ -21,8 +21,7 @@ TINY_COMMON = dict(vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e
                    bos_token_id=1, eos_token_id=2, torch_dtype="float32")
 TINY_LLAMA = dict(TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
                   num_hidden_layers=2, num_attention_heads=4, tie_word_embeddings=False)
-# real shapes; their bos / eos are the built-in tokenizer's <s> and </s>, ids the
-# tokenizer has, as a real checkpoint's are (structured outputs mask past its 485 ids)
+# real shapes; bos / eos: the built-in tokenizer's <s> and </s> (structured outputs mask past its 485 ids)
 SHAPE_COMMON = dict(bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
 QWEN3_SHAPE = dict(SHAPE_COMMON, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
                    max_position_embeddings=40960, head_dim=128)
@@ -141,14 +140,10 @@ def write_builtin(name: str, path: str, seed: int) -> None:
 
 def random_hf_state_dict(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    out = {}
     shapes = checkpoint_shapes(ModelConfig.from_hf_dict("builtin", cfg))
-    for name, shape in sorted(shapes.items()):
-        if "norm" in name:
-            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        else:  # std 0.1 on tiny matrices gives peaked, stable next-token distributions
-            out[name] = 0.1 * torch.randn(shape, generator=gen)
-    return out
+    # norms around 1; std 0.1 on tiny matrices gives peaked, stable next-token distributions
+    return {name: (1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(shape, generator=gen)
+            for name, shape in sorted(shapes.items())}
 
 
 def write_tokenizer(path: str, vocab_size: int) -> None:

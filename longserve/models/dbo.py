@@ -9,8 +9,7 @@ from longserve.models.moe import FusedMoE
 
 
 def forward_stages(model, input_ids, positions, meta, dp_pad: int | None):
-    """The model's forward (no sequence parallelism) as a stage generator; returns the final
-    hidden states [T, hidden]."""
+    """The model's forward (no sequence parallelism) as a stage generator -> hidden [T, hidden]."""
     hidden, residual = model.embed_tokens(input_ids), None
     cos_sin = model.layers[0].self_attn.rotary.cos_sin(positions)
     for layer in model.layers:

@@ -1,17 +1,12 @@
-"""Triton kernels behind `fused_ops` (CUDA tensors, or the CPU under TRITON_INTERPRET=1).
-
-Imported only when a kernel is about to run, so a CPU install needs no Triton. Each kernel
-reproduces the rounding of the torch version in fused_ops.py that it replaces.
-"""
+"""Triton kernels behind `fused_ops` (CUDA tensors, or the CPU under TRITON_INTERPRET=1), imported
+only when one runs; each reproduces the rounding of the torch version it replaces."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-# --------------------------------------------------------------------------------------
-# RMSNorm, optionally fused with the residual add: one program per row
-# --------------------------------------------------------------------------------------
+# ---- RMSNorm, optionally fused with the residual add: one program per row --------------------
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
@@ -48,10 +43,8 @@ def rms_norm_triton(x, weight, eps, residual=None):
     return out if residual is None else (out, res_out.view(shape))
 
 
-# --------------------------------------------------------------------------------------
-# Neox-style rotary embedding, optionally after a per-head RMSNorm (Qwen3's q/k norm):
+# ---- Neox-style rotary embedding, optionally after a per-head RMSNorm (Qwen3's q/k norm) -----
 # one program per token, all its heads at once
-# --------------------------------------------------------------------------------------
 
 @triton.jit
 def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, eps, stride_xt, stride_xh, stride_ot,
@@ -93,9 +86,7 @@ def rotary_triton(x, cos, sin, norm_weight=None, eps=0.0, out=None):
     return out
 
 
-# --------------------------------------------------------------------------------------
-# SiLU(gate) * up of the MLP: [T, 2I] -> [T, I]
-# --------------------------------------------------------------------------------------
+# ---- SiLU(gate) * up of the MLP: [T, 2I] -> [T, I] -------------------------------------------
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr):

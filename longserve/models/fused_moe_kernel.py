@@ -1,7 +1,6 @@
-"""A fused mixture-of-experts kernel: routing (`route_triton`), the pairs sorted by expert and
-padded to BLOCK_M (`align_pairs`), one kernel launched for gate-up (SiLU-and-mul) and for down
-(times the routing weight), and `combine_pairs`. Shapes follow the pair count only (graph
-capturable). docs/architecture.md, 'Experts on the GPU'. Imported only when it runs."""
+"""A fused mixture-of-experts kernel (imported only when it runs): `route_triton`, `align_pairs`, one
+launch each for gate-up and down, `combine_pairs`; shapes follow the pair count only (graphs).
+docs/architecture.md, 'Experts on the GPU'."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,6 @@
 """Fused elementwise steps of the decoder layer (RMSNorm(+residual), q/k-norm + RoPE, SiLU-mul) and
-the decode linears' GEMV. CUDA tensors go to Triton (fused_kernels.py, gemv_kernel.py, imported
-only then), rounding as HF's torch versions do; the `*_torch` functions are the CPU path and
-the reference."""
+the decode GEMV: Triton on CUDA (imported only then), rounding as HF's torch versions; the
+`*_torch` functions are the CPU path and the reference."""
 from __future__ import annotations
 
 import os

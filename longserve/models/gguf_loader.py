@@ -1,7 +1,6 @@
-"""GGUF checkpoints (llama.cpp's single-file format), read with the `gguf` package: the metadata as
-a HF-style config dict, every tensor dequantized to float32 under its HF name (loader.py then
-slices it). llama.cpp permutes Llama's q/k rows for GPT-J-style RoPE; ours is Neox style, as
-HF's, so the permutation is undone here."""
+"""GGUF checkpoints (llama.cpp's single-file format) through the `gguf` package: the metadata as a HF-style
+config dict, every tensor dequantized to float32 under its HF name (loader.py slices it); llama.cpp's
+q/k row permutation for GPT-J-style RoPE is undone (ours is Neox style, as HF's)."""
 from __future__ import annotations
 
 import functools
@@ -32,8 +31,7 @@ def is_gguf(path: str) -> bool:
 
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: str):
-    """The file's GGUFReader (memory-mapped; parsing the metadata takes a second or two, so
-    one per process and file)."""
+    """The file's GGUFReader, one per process and file (memory-mapped; parsing takes a second or two)."""
     from gguf import GGUFReader
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")

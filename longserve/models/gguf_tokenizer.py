@@ -15,9 +15,8 @@ PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starco
 
 
 def gguf_tokenizer(meta: dict, path: str):
-    """A `tokenizers.Tokenizer` equal to the file's: vocabulary, merges, special tokens,
-    pre-tokenizer, and a BOS prepended when `add_bos_token` says so. None if the file has no
-    tokenizer (prompts are then token ids)."""
+    """A `tokenizers.Tokenizer` equal to the file's (vocabulary, merges, special tokens, pre-tokenizer,
+    BOS when `add_bos_token` says so); None if the file has no tokenizer."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:

@@ -1,7 +1,6 @@
-"""Scales of the FP8 KV cache: one per layer, KV head and K / V, fixed at load: the checkpoint's
-(`k_scale` / `v_scale` / `kv_scale`), else a bound from the weights that no input can exceed,
-rounded up to a power of two. Why this bound and why per head: docs/architecture.md, 'FP8 KV
-cache'."""
+"""Scales of the FP8 KV cache, per layer, KV head and K / V, fixed at load: the checkpoint's (`k_scale` /
+`v_scale` / `kv_scale`), else a power-of-two bound from the weights that no input can exceed
+(why: docs/architecture.md, 'FP8 KV cache')."""
 from __future__ import annotations
 
 import re

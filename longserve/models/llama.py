@@ -67,8 +67,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, cos_sin, hidden, residual, meta, sp: bool, dp_pad: int | None = None):
         """With sequence parallelism (`sp`) hidden and residual hold this TP rank's slice of the tokens
-        between layers. dp_pad: tokens per DP rank in expert layers. Two pieces around attention
-        (what worker/piecewise_graphs.py captures)."""
+        between layers; dp_pad: tokens per DP rank in expert layers."""
         q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp)
         out = self.self_attn.attn(q, k, v, meta)
         return self.after_attention(out, residual, sp, dp_pad)
@@ -79,8 +78,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_attention(self.self_attn.attn(q, k, v, meta), residual, sp)
 
     def before_attention(self, cos_sin, hidden, residual, sp: bool = False, out=None):
-        """Input norm (+ residual add), QKV projection, q/k norm and RoPE -> q, k, v, residual
-        (out: buffers for q and k, see LlamaAttention.qkv)."""
+        """Input norm (+ residual add), QKV, q/k norm and RoPE -> q, k, v, residual (out: see qkv)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:

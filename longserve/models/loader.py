@@ -1,8 +1,5 @@
 """Build a model and fill it from a HF-format folder (safetensors) or a GGUF file, each rank
-taking its slices.
-
-`load_format="dummy"` fills the parameters with seeded random values instead (benchmarks
-at real shapes, where no weights can be downloaded)."""
+taking its slices; `load_format="dummy"`: seeded random values (benchmarks at real shapes)."""
 from __future__ import annotations
 
 import glob
@@ -106,10 +103,8 @@ def progress_bar(total: int):
 
 def load_named(params: dict, name: str, tensor, file: str, cfg: ModelConfig, loaded: set,
                shapes: dict, kv_scales: dict) -> None:
-    if name.endswith(IGNORED_SUFFIXES):
-        return
-    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return  # some tied checkpoints still carry a copy
+    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        return  # (some tied checkpoints still carry a copy of the embedding)
     scale_key = checkpoint_scale_key(name)
     if scale_key is None:
         load_one(params, name, tensor, file, loaded, shapes)
@@ -156,9 +151,7 @@ def expert_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     shapes = {block + "gate.weight": (cfg.num_experts, h)}
     for e in range(cfg.num_experts):
-        shapes.update({f"{block}experts.{e}.{names[0]}.weight": (w, h),
-                       f"{block}experts.{e}.{names[1]}.weight": (w, h),
-                       f"{block}experts.{e}.{names[2]}.weight": (h, w)})
+        shapes.update({f"{block}experts.{e}.{n}.weight": s for n, s in zip(names, ((w, h), (w, h), (h, w)))})
     return shapes
 
 

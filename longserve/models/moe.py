@@ -24,9 +24,8 @@ KERNEL_ENV, DISPATCH_ENV = "LONGSERVE_MOE_KERNEL", "LONGSERVE_MOE_DISPATCH"  # f
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-    """transformers' routing: softmax over every expert (float32), top-k, then (Mixtral,
-    Qwen3-MoE with norm_topk_prob) divide by the sum of the k kept weights.
-    Returns weights [T, k] float32 and expert ids [T, k] int64."""
+    """transformers' routing: softmax over every expert (float32), top-k, renormalised when asked
+    (Mixtral, Qwen3-MoE's norm_topk_prob) -> weights [T, k] float32, expert ids [T, k] int64."""
     if use_triton(router_logits):
         from longserve.models.fused_moe_kernel import route_triton
         return route_triton(router_logits, top_k, renormalize)
@@ -51,12 +50,10 @@ class FusedMoE(nn.Module):
         self.dp, self.tp = ps.dp, ps.tp
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.num_experts, self.expert_parallel = num_experts, expert_parallel
-        if expert_parallel:  # whole experts [first, first + num_local)
-            assert num_experts % size == 0, (num_experts, size)
+        if expert_parallel:  # whole experts [first, first + num_local) (the door checked the split)
             self.num_local = num_experts // size
             self.first, self.width, self.width_start = rank * self.num_local, width, 0
         else:  # every expert, columns [width_start, width_start + width) of its hidden layer
-            assert width % size == 0, (width, size)
             self.num_local, self.first = num_experts, 0
             self.width = width // size
             self.width_start = rank * self.width
@@ -148,10 +145,8 @@ class FusedMoE(nn.Module):
         return pending()
 
     def all_to_all(self, x: torch.Tensor, async_op: bool):
-        """EP: tokens routed on their own rank; peer d receives [T, hidden] rows (static: the
-        worst case, every token) whose expert ids name only the experts that the rank at this
-        TP position of DP rank d holds (-1 elsewhere), and returns its partial sums, one row
-        per token, which add up here."""
+        """EP: tokens routed on their own rank; peer d receives [T, hidden] rows (static: every
+        token) with ids of only the experts it holds (-1 elsewhere); its partial sums add up here."""
         weights, ids = self.route(x)
         k, dp, tp = ids.shape[1], self.dp.world_size, self.tp.world_size
         holder = ids // self.num_local  # MoE-group rank of each pair's expert
@@ -167,11 +162,9 @@ class FusedMoE(nn.Module):
         return pending().sum(0, dtype=torch.float32).to(x.dtype)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's share of sum_k weight_k * expert_k(x) for every row of x.
-
-        Each (token, k) pair's output lands in its own row of [T * k, hidden] (none for pairs
-        of other ranks' experts, or id -1), and a token's k rows add up in float32: no atomics,
-        no step that waits for the device, shapes set by T alone (CUDA graphs)."""
+        """This rank's share of sum_k weight_k * expert_k(x) for every row of x: each (token, k) pair
+        of this rank's experts gets its own row of [T * k, hidden], summed per token in float32 (no
+        atomics, no wait for the device, shapes set by T alone: CUDA graphs)."""
         num_tokens, k = ids.shape
         if use_fused_kernel(x, ids.numel()):  # it finds this rank's pairs itself
             from longserve.models.fused_moe_kernel import fused_experts
@@ -248,9 +241,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """torch._grouped_mm wants 16-byte aligned rows (and bf16 on CUDA)."""
-    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
-        return False
-    if x.is_cuda and x.dtype != torch.bfloat16:
+    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
         return False
     size = x.element_size()
     return all(d * size % 16 == 0 for d in (w.shape[1], w.shape[2]))

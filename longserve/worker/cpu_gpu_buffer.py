@@ -1,9 +1,6 @@
-"""A host tensor paired with a device tensor of the same shape.
-
-Step inputs are built on the host (numpy, through `.np`, which shares memory with
-`.cpu`) and then copied once to the device. Pinned host memory makes that copy
-asynchronous on CUDA; it needs a CUDA build, so it is off by default.
-"""
+"""A host tensor paired with a device tensor of the same shape: step inputs are built on the host
+(`.np` shares memory with `.cpu`) and copied once; pinned memory (off by default: it needs a
+CUDA build) makes that copy asynchronous."""
 from __future__ import annotations
 
 import numpy as np

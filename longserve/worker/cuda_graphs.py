@@ -1,7 +1,6 @@
-"""CUDA graphs of pure decode steps: the whole forward captured once per batch size (which
-sizes: `capture_sizes`), replayed over static inputs; and the warm-up after capture that
-compiles every kernel variant serving may pick. Steps with prefill: worker/piecewise_graphs.py.
-"""
+"""CUDA graphs of pure decode steps: the whole forward captured once per batch size
+(`capture_sizes`), replayed over static inputs, and the warm-up after capture that compiles
+every kernel variant serving may pick. Steps with prefill: worker/piecewise_graphs.py."""
 from __future__ import annotations
 
 import logging
@@ -66,8 +65,8 @@ class DecodeGraphs:
         return min((b for b in self.graphs if b >= n), default=None)
 
     def replay(self, inp, bs: int | None = None) -> torch.Tensor:
-        """Replay the graph of bs rows (default: the smallest that holds the step's
-        StepInputs); inp None: every row is padding (an idle DP rank's dummy step)."""
+        """Replay the graph of bs rows (default: the smallest that holds the step); inp None: all padding
+        (an idle DP rank's dummy step)."""
         n = inp.num_local_tokens if inp is not None else 0
         bs = bs or self.size(n)
         graph, hidden, _ = self.graphs[bs]
@@ -86,9 +85,8 @@ class DecodeGraphs:
 
 
 def compile_kernel_variants(model, config, ps, backend, device) -> None:
-    """After capture: the paged attention kernel's tile variants that eager and mixed steps
-    may pick (not only the shapes warm-up steps reach), on the first layer's own cache, and
-    the expert kernels' variants, compiled before serving."""
+    """After capture: the paged attention kernel's tile variants that eager and mixed steps may pick,
+    on the first layer's cache, and the expert kernels' variants, compiled before serving."""
     layer = next((m for m in model.modules() if isinstance(m, Attention)), None)
     if (backend.name == "TRITON" and layer is not None and layer.kv_cache is not None
             and ps.cp.world_size == 1):  # CP writes packed partials: other variants

@@ -34,9 +34,8 @@ def balanced_split(tokens_per_request: np.ndarray) -> int:
 
 def run_coordinated(runner, rows: StepRows, table: np.ndarray,
                     inp: StepInputs, dummy: bool = False) -> torch.Tensor:
-    """The forward of a step whose shape the DP ranks agree on; hidden states [T, hidden].
-    When every rank can, all replay the decode graph of the agreed (largest) size; a dummy
-    step replays it with no real row."""
+    """The forward of a step whose shape the DP ranks agree on -> hidden [T, hidden]; when every rank
+    can, all replay the decode graph of the agreed size (a dummy step with no real row)."""
     par, ps = runner.config.parallel, runner.ps
     n = inp.num_local_tokens
     per_req = rows.n
@@ -69,8 +68,8 @@ def run_coordinated(runner, rows: StepRows, table: np.ndarray,
 
 
 def run_dummy_step(runner) -> None:
-    """A one-token forward with no KV write (or a graph replay with no real row): keeps an
-    idle DP rank in the expert collectives."""
+    """A one-token forward with no KV write (or a graph replay with no real row): an idle DP rank
+    joins the expert collectives."""
     rows = step_rows(SchedulerOutput([ScheduledRequest("dp-dummy", [0], 0, [0], True, False)]))
     table = build_block_table([[0]])
     inp = prepare_step(rows, table, runner.layout, runner.ps, None, runner.device, runner.backend)

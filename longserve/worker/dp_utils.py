@@ -14,9 +14,8 @@ UNPADDED, PADDED, WANTS_UBATCH, ALLOWS_DP_PADDING, CUDAGRAPH_MODE = range(5)
 
 def can_split_into_ubatches(num_tokens: int,
                             num_scheduled_tokens_per_request: np.ndarray | None = None) -> bool:
-    """Whether two non-empty micro-batches exist locally: two token halves, and with
-    per-request counts, a split at a request boundary (requests stay whole), which needs
-    two requests that have tokens."""
+    """Whether two non-empty micro-batches exist locally: two token halves, and with per-request
+    counts two requests with tokens (a split keeps requests whole)."""
     if num_tokens < 2:
         return False
     if num_scheduled_tokens_per_request is None:
@@ -34,9 +33,8 @@ def _run_ar(column: list[int], dp_size: int, dp_rank: int, dp_group) -> torch.Te
 
 
 def _post_process_ubatch(table: torch.Tensor) -> bool:
-    """Micro-batch only if every rank wants to and every rank's second micro-batch keeps a
-    real token once all are padded to the common size (rank i's second micro-batch holds
-    its tokens [half, 2 * half))."""
+    """Micro-batch only if every rank wants to and every rank's second micro-batch (its tokens
+    [half, 2 * half) once all are padded to the common size) keeps a real token."""
     half = (int(table[PADDED].max()) + 1) // 2
     return bool(table[WANTS_UBATCH].all()) and int(table[UNPADDED].min()) > half
 

@@ -27,8 +27,7 @@ def free_port() -> int:
 
 def start_workers(config_bytes: bytes, base: int, replica: int,
                   init_method: str | None = None) -> WorkerProcs:
-    """Spawn global ranks base + 1 .. base + replica - 1; without an
-    init_method the replica gets a rendezvous port of its own (rank `base` hosts it)."""
+    """Spawn global ranks base + 1 .. base + replica - 1 (no init_method: a rendezvous port of their own)."""
     init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     # (a DP rank of an expert model may be a replica of one rank)

@@ -61,7 +61,7 @@ class ModelRunner:
         self.layers = {a.layer_name: a for a in self.model.attention_layers()}
         self.block_size = config.cache.block_size
         par = config.parallel
-        self.kernel_block_size = self._kernel_block_size()
+        self.kernel_block_size = prepare_kernel_block_sizes(*self._kv_cache_groups()[:2])[0]
         self.layout = CPLayout(self.block_size, par.cp_world_size, ps.layout.cp_rank,
                                par.cp_kv_cache_interleave_size,
                                self.block_size // self.kernel_block_size)
@@ -81,11 +81,9 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None  # steps with prefill (capture_cudagraphs)
         if os.environ.get(PIECEWISE_MODE) == "eager":
             self.piecewise = build_piecewise(config, self.model, device)
-        # expert layers shared by DP ranks (or split into micro-batches): every step's shape
-        # is agreed on with the other DP ranks (worker/dp_step.py)
+        # expert layers over DP ranks (or micro-batches): each step's shape is agreed (dp_step.py)
         self.coordinated = config.model.is_moe and (par.data_parallel_size > 1 or par.enable_dbo)
-        # expert layers span the DP ranks: the engine core executes a plan only while every DP
-        # rank steps (a wave), so an empty plan here is a dummy step
+        # expert layers span the DP ranks: the core steps in waves, so an empty plan is a dummy step
         self.dp_lockstep = config.dp_lockstep
         self.num_dbo_steps = 0  # steps run as two micro-batches
         self.kv_connector = build_worker_connector(config, ps, device)  # None without KV transfer
@@ -103,10 +101,6 @@ class ModelRunner:
         add_kv_sharing_layers_to_kv_cache_groups(shared, [group], runner_only)
         attn_groups = [[AttentionGroup(type(self.backend), group.layer_names, spec, 0)]]
         return KVCacheConfig(0, [group]), attn_groups, runner_only
-
-    def _kernel_block_size(self) -> int:
-        kv_config, attn_groups, _ = self._kv_cache_groups()
-        return prepare_kernel_block_sizes(kv_config, attn_groups)[0]
 
     def kv_bytes_per_block(self) -> int:
         owners = [a for a in self.layers.values() if a.kv_sharing_target is None]
@@ -195,9 +189,8 @@ class ModelRunner:
         return self.sampling.sample(out, hidden, inp)
 
     def _block_table(self, out: SchedulerOutput, ids: list[str]) -> np.ndarray:
-        """The step's block table [R, width]. A step with the rows of the step before (a run of
-        decode steps) patches that table's changed rows: the new blocks of plain decodes, and
-        every other request's row."""
+        """The step's block table [R, width]; with the rows of the step before (a run of decodes)
+        only the changed rows are patched: plain decodes' new blocks, every other request's row."""
         if self._table is None or self._table[0] != ids:
             table = build_block_table([self.requests[i].block_ids.view() for i in ids])
         else:

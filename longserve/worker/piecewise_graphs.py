@@ -39,8 +39,8 @@ def piecewise_unsupported(config) -> str | None:
 
 
 def build_piecewise(config, model, device, pool=None) -> PiecewiseGraphs | None:
-    """The piecewise runner of this EngineConfig (None: steps with prefill run eagerly); with
-    a memory pool its graphs are captured there, else its segments run uncaptured (CPU)."""
+    """The piecewise runner of this EngineConfig (None: steps with prefill run eagerly); without a
+    memory pool (CPU) its segments run uncaptured."""
     reason = piecewise_unsupported(config)
     if reason is not None:
         logger.info("steps with prefill run eagerly: %s", reason)
@@ -54,9 +54,8 @@ def build_piecewise(config, model, device, pool=None) -> PiecewiseGraphs | None:
 
 
 def piecewise_pool_bytes(config, activation_peak: int) -> int:
-    """Device memory to keep for the piecewise graphs (static buffers and their memory pool):
-    at most the activations of an eager step of the largest bucket, estimated from the
-    profiled peak of a full-budget step (activations grow linearly with the tokens)."""
+    """Device memory to keep for the piecewise graphs (static buffers and pool): the activations of an
+    eager step of the largest bucket, scaled from the profiled full-budget step (linear in tokens)."""
     if piecewise_unsupported(config) is not None:
         return 0
     budget = config.scheduler.max_num_batched_tokens
@@ -92,8 +91,7 @@ class PiecewiseGraphs:
 
     @torch.no_grad()
     def run(self, input_ids, positions, meta) -> torch.Tensor:
-        """The model's forward over the step's T tokens -> final hidden states [T, hidden]
-        (a view of a static buffer: valid until the next run)."""
+        """The model's forward over the step's T tokens -> hidden [T, hidden] (a static buffer's view)."""
         t = input_ids.shape[0]
         b = self.bucket(t)
         self.input_ids[:t].copy_(input_ids)
@@ -137,10 +135,9 @@ class PiecewiseGraphs:
 
     @torch.no_grad()
     def capture(self, pool) -> int:
-        """Capture every segment at every bucket, largest first, into one memory pool;
-        returns the number of graphs. Eager runs first (Triton compiles, cuBLAS handles) at the
-        smallest and the largest bucket: the others are multiples of 16 as the smallest is, and
-        a kernel's variant follows its row count's divisibility, not its size."""
+        """Capture every segment at every bucket, largest first, into one pool; returns the graph count.
+        Eager runs come first at the smallest and largest bucket (a kernel's variant follows its row
+        count's divisibility, not its size, and the others are multiples of 16 as the smallest is)."""
         start = time.perf_counter()
         for b in {self.buckets[0], self.buckets[-1]}:
             for i in range(self.num_layers + 1):

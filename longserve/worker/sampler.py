@@ -19,9 +19,8 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seed_offsets: list[int],
                  biases: list[tuple[np.ndarray, np.ndarray] | None] | None = None) -> torch.Tensor:
-        """logits [N, V] float32 -> N token ids [N] on the logits' device (nothing waits
-        for the device here: asynchronous scheduling reads them a step later). biases: each
-        row's `logit_bias_arrays`, made when its request arrived (else made here)."""
+        """logits [N, V] float32 -> token ids [N] on the logits' device, without waiting for it; biases:
+        each row's `logit_bias_arrays` (made here if missing)."""
         logits = apply_logit_bias(logits, biases or [logit_bias_arrays(p) for p in params])
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
@@ -120,9 +119,8 @@ def apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Structured outputs: logits[rows[i]] keeps only the tokens whose bit is set in
-    bitmask[i] (int32 words on the host, bit j of word w = token 32 w + j); in place. Ids past
-    the mask's bits (a vocabulary padded beyond the tokenizer) are masked."""
+    """In place: logits[rows[i]] keeps only the tokens whose bit is set in bitmask[i] (int32 words on
+    the host, bit j of word w = token 32 w + j); ids past the mask's bits are masked."""
     if not rows:
         return
     if logits.is_cuda:

@@ -25,11 +25,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the (restored) hidden states to take logits of
     num_local_tokens: int
     is_pure_decode: bool
-    # rows of the (restored) hidden states whose logits score prompt tokens, in request
-    # order (ScheduledRequest.prompt_logprob_targets); None when no request asks
+    # rows of the hidden states that score prompt tokens (prompt_logprob_targets), None: none
     prompt_logprob_rows: np.ndarray | None = None
-    # rows of input_ids that hold PLACEHOLDER (asynchronous scheduling: the id is still on
-    # the device) and the index into the step's requests of each; None when there are none
+    # rows of input_ids that hold PLACEHOLDER and each one's request index; None: none
     placeholder_rows: np.ndarray | None = None
     placeholder_reqs: np.ndarray | None = None
 
@@ -163,10 +161,8 @@ def add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kern
         return
     local_n = np.diff(local_starts)[num_decodes:]
     ctx = cp_local(torch.from_numpy(computed[num_decodes:]), layout)
-    # With PCP the prefix part runs over every PCP rank's prefill rows (rank-major, all
-    # ranks hold equally many rows per request): one row group per (rank, request), or one
-    # for a lone prefill (its rows of every rank are adjacent): one gather of its shard's
-    # pages and one kernel call a layer, not pcp of each
+    # with PCP over every PCP rank's prefill rows (rank-major, equal counts): a row group per
+    # (rank, request), or one for a lone prefill (one page gather and kernel call a layer)
     reps = 1 if len(local_n) == 1 else pcp_size
     rows = np.tile(local_n, pcp_size) if reps > 1 else local_n * pcp_size
     qsl = np.concatenate(([0], np.cumsum(rows)))
@@ -184,11 +180,9 @@ def varlen_layout(segs: list[SuffixSegment], device) -> VarlenLayout:
 
 def suffix_segments(k_start: int, n: int, q_start: int, q_end: int, pcp_size: int,
                     pcp_rank: int) -> list[SuffixSegment]:
-    """One prefill's query rows against its new keys [k_start, k_start + n).
-
-    Without PCP the rows are the whole chunk. With PCP this rank holds chunk `r` (head) and
-    chunk `2W-1-r` (tail) of the padded chunk, each `c` rows: a chunk at offset a sees the
-    keys before it fully and its own keys causally; pad rows past n see every key."""
+    """One prefill's query rows against its new keys [k_start, k_start + n): the whole chunk without
+    PCP; with PCP chunks r (head) and 2W-1-r (tail) of the padded chunk, `c` rows each, each seeing
+    the keys before it fully and its own causally (pad rows past n see every key)."""
     if pcp_size == 1:
         return [SuffixSegment(q_start, q_end, k_start, k_start, k_start + n)]
     c = (q_end - q_start) // 2

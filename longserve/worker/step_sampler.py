@@ -64,9 +64,8 @@ class StepSampler:
         self.prompt_logprob_rows_per_slice = max(1, (1 << 24) // config.model.vocab_size)
 
     def sample(self, out: SchedulerOutput, hidden, inp) -> ModelRunnerOutput | None:
-        """Sample on the first rank of the model group (the first PCP rank's first TP rank);
-        the output's ids stay pending until resolve(). A step with a structured request
-        leaves its logits in `output.deferred` (see sample_deferred)."""
+        """Sample on the first rank of the model group (the first PCP rank's first TP rank); ids stay
+        pending until resolve(), a structured step's logits wait in `output.deferred`."""
         sampling = (out.sampling_req_ids(),
                     out.decodes.seed_offsets + [r.seed_offset for r in out.requests if r.sample])
         output, logits = None, None
@@ -92,9 +91,8 @@ class StepSampler:
         self._finish(output, sampling, logits)
 
     def batch_params(self, ids: list[str]) -> tuple:
-        """(params, logit biases, row of each id, any structured, any logprobs, plain greedy)
-        of the sampling rows; kept while the rows stay the same (a run of decode steps pays for
-        it once). Plain greedy: every row's token is the argmax, nothing else is asked."""
+        """(params, logit biases, row of each id, any structured, any logprobs, plain greedy: argmax and
+        nothing else) of the sampling rows, kept while the rows stay the same (a run of decodes)."""
         if self.batch is None or self.batch[0] != ids:
             params = [self.requests[i].sampling_params for i in ids]
             biases = [self.requests[i].logit_bias for i in ids]
@@ -107,8 +105,7 @@ class StepSampler:
         return self.batch[1:]
 
     def _finish(self, output, sampling, logits) -> None:
-        """logits: the rows' logits on the first TP rank (plain greedy rows: their argmax ids,
-        as sample() took them)."""
+        """logits: the rows' logits on the first TP rank (plain greedy rows: their argmax ids)."""
         ids, seed_offsets = sampling
         tokens = None
         params, biases, row_of, _, any_logprobs, greedy = self.batch_params(ids)

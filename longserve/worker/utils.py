@@ -274,9 +274,8 @@ def request_memory(init_snapshot: MemorySnapshot, cache_config: CacheConfig) -> 
 # ----------------------------------------------------------------------------- parallelism
 
 def is_residual_scattered_for_sp(config: Any, num_input_tokens: int) -> bool:
-    """Whether sequence parallelism splits the residual over the TP ranks at this size (the
-    engine pads to a multiple of tp; an uneven count stays replicated). config: an
-    EngineConfig or a ParallelConfig."""
+    """Whether sequence parallelism splits the residual over the TP ranks at this size (an uneven
+    count stays replicated); config: an EngineConfig or a ParallelConfig."""
     parallel: ParallelConfig = getattr(config, "parallel", config)
     tp = parallel.tensor_parallel_size
     return parallel.enable_sequence_parallel and tp > 1 and num_input_tokens % tp == 0

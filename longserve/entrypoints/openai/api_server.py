@@ -1,7 +1,6 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over the engine, served by uvicorn. The engine
-loads on a thread after the port is open and warms up; until then (and after a fatal engine
-error) /health and /v1/* answer 503. Shutdown's drain, a gone client's aborts and several API
-servers (`siblings`): docs/architecture.md, 'Engine cores and the front end'."""
+"""The OpenAI-compatible HTTP server: FastAPI routes over the engine, served by uvicorn; /health
+and /v1/* answer 503 until the engine (loaded on a thread once the port is open) has warmed up.
+Drain, aborts and several API servers: docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import asyncio

@@ -22,8 +22,7 @@ logger = logging.getLogger("longserve.server")
 
 
 def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A TCP socket bound to host:port (with reuse_port, other processes may bind it as well),
-    bound before any model loads: a taken port is a clear error at once."""
+    """A TCP socket bound to host:port (reuse_port) before any model loads: a taken port fails at once."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, reuse_port)

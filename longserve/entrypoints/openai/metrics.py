@@ -60,26 +60,22 @@ class EngineCollector(Collector):
         self.get_core = get_core
         self.model_name = model_name
 
-    def _family(self, kind, name: str, doc: str, value, **labels):
-        family = kind(f"vllm:{name}", doc, labels=["model_name", *labels])
-        family.add_metric([self.model_name, *labels.values()], value)
-        return family
-
     def collect(self):
         core = self.get_core()
         if core is None:  # still loading
             return
         queried, hits = core.prefix_cache_tokens()
-        yield self._family(GaugeMetricFamily, "num_requests_running", "Requests in model steps.",
-                           core.num_running)
-        yield self._family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to run.",
-                           core.num_waiting)
-        yield self._family(GaugeMetricFamily, "kv_cache_usage_perc",
-                           "KV-cache usage: 1 means 100 percent of the blocks are in use.", core.kv_cache_usage())
-        yield self._family(CounterMetricFamily, "prefix_cache_queries",
-                           "Prompt tokens looked up in the prefix cache.", queried)
-        yield self._family(CounterMetricFamily, "prefix_cache_hits",
-                           "Prompt tokens found in the prefix cache.", hits)
+        for kind, name, doc, value in (
+                (GaugeMetricFamily, "num_requests_running", "Requests in model steps.", core.num_running),
+                (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to run.", core.num_waiting),
+                (GaugeMetricFamily, "kv_cache_usage_perc",
+                 "KV-cache usage: 1 means 100 percent of the blocks are in use.", core.kv_cache_usage()),
+                (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 queried),
+                (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)):
+            family = kind(f"vllm:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 def make_registry(get_core: Callable[[], LLMEngine | None],

@@ -56,9 +56,8 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields that completions and chat share (OpenAI's, plus vLLM's top_k, ignore_eos, ...).
-    Unknown fields are kept (`model_extra`): `unsupported()` refuses the known ones, the
-    server logs the rest once."""
+    """Fields that completions and chat share (OpenAI's, plus vLLM's top_k, ignore_eos, ...); unknown
+    fields are kept (`model_extra`): `unsupported()` refuses the known ones, the rest are logged once."""
     model_config = ConfigDict(extra="allow")
     unsupported_here: ClassVar[dict] = {}
     model: str | None = None

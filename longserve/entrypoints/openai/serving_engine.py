@@ -143,10 +143,8 @@ def unavailable(e: Exception) -> OpenAIError:
 
 
 async def read_streams(core: LLMEngine, streams: list):
-    """Batches of (choice index, delta) from all streams, each what was ready at once (prompt
-    i's choice j is i * n + j, as OpenAI numbers them); on exit aborts every unfinished request
-    (a client that went away leaves nothing running and no KV block held; a finished one is
-    not aborted again)."""
+    """Batches of (choice index, delta) from all streams, each what was ready at once (prompt i's
+    choice j is i * n + j, as OpenAI numbers them); on exit aborts every unfinished request."""
     source = _one(streams[0]) if len(streams) == 1 else _interleaved(streams)
     try:
         async with aclosing(source) as batches:
