@@ -156,7 +156,8 @@ class Executor:
         deadline = time.monotonic() + 2.0  # a closed connection: let the watchdog see who died
         while self.procs and self.failure is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.failure is None and ("timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()):
+        timed_out = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
+        if self.failure is None and timed_out:
             self.failure = self._unresponsive(what)
         if self.failure is None:
             return e
