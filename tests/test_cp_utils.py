@@ -213,3 +213,30 @@ def test_check_attention_cp_compatibility():
     check_attention_cp_compatibility(interleaved, [NoPcpBackend], num_speculative_tokens=0)
     with pytest.raises(ValueError, match="NO_PCP.*cp_kv_cache_interleave_size=1"):
         check_attention_cp_compatibility(interleaved, [NoPcpBackend], num_speculative_tokens=2)
+
+
+@pytest.mark.parametrize("prefills", [1, 2])
+def test_pcp_prefix_row_groups(prefills):
+    """The prefix part over the PCP-gathered rows (rank-major): a lone prefill's rows of every
+    rank are adjacent and make one row group (one page gather, one kernel call a layer); with
+    several prefills a group per (rank, request), each against its request's table row."""
+    from longserve.attention.metadata import AttentionMetadata
+    from longserve.distributed.parallel_state import GroupCoordinator, ParallelState, RankLayout
+    from longserve.worker.step_inputs import CPLayout, add_prefill_parts
+    W, block = 2, 4
+    pcp, one = GroupCoordinator([0, 1], 0), GroupCoordinator([0], 0)
+    ps = ParallelState(RankLayout(1, W, 1, 1, 0), one, pcp, one, pcp, one, pcp)
+    n = np.array([8, 12][:prefills])  # this step's tokens of each prefill
+    computed = np.array([16, 24][:prefills])  # each has a cached prefix
+    local_n = -(-n // (2 * W)) * 2  # P / W: a rank's padded share
+    table = torch.arange(prefills * 8, dtype=torch.int32).view(prefills, 8)
+    meta = AttentionMetadata(num_decode_tokens=0, num_tokens=int(local_n.sum()),
+                             slot_mapping=torch.zeros(0, dtype=torch.int64), decode=None, ps=ps)
+    add_prefill_parts(meta, n, computed, np.concatenate(([0], np.cumsum(n))),
+                      np.concatenate(([0], np.cumsum(local_n))), 0, table,
+                      CPLayout(block, W, 0, 1), ps, "cpu")
+    part = meta.prefix
+    rows = [W * local_n[0]] if prefills == 1 else list(local_n) * W
+    assert np.diff(part.query_start_loc_cpu).tolist() == rows
+    assert part.kv_lens_cpu == ([8] if prefills == 1 else [8, 12] * W)  # a rank's shard of the prefix
+    assert part.block_table.tolist() == (table if prefills == 1 else table.repeat(W, 1)).tolist()
