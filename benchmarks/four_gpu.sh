@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The four-GPU rows of the open issues, a part per device call (each fits the 10-minute limit):
+#   benchmarks/four_gpu.sh PART OUT_DIR
+# PART: pcp      issue 42: 128K prefill, chunks 8,192 and 32,768: 1, pcp4, tp4, pcp2xtp2
+#       decode   issue 44: 128K decode, batch 1: 1, tp4, pcp4, pcp2xtp2, tp4xdcp2; one KV head
+#                64 x 32K: tp4 against tp4 x dcp4
+#       moe      issue 43: 12-layer MoE at batch 128 and 512: tp4, dp4 + EP (+ DBO)
+#       startup  issue 41: tp4 and MoE tp4, warm, 0 compiles after ready
+# Each run's log goes to OUT_DIR/PART-*.log; its tables are printed at the end.
+set -uo pipefail
+part=$1 out=$2
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+cd "$(dirname "$0")"
+cap=(python bench_capacity.py --tokens 131072 --bw 4.8e12 --fail-on-compile)
+case $part in
+  pcp)
+    for chunk in 8192 32768; do
+      "${cap[@]}" --layouts 1,pcp4,tp4,pcp2xtp2 --chunk "$chunk" --decode 8 > "$out/pcp-$chunk.log" 2>&1
+    done ;;
+  decode)
+    "${cap[@]}" --layouts 1,tp4,pcp4,pcp2xtp2,tp4xdcp2 --chunk 32768 --decode 48 > "$out/decode.log" 2>&1
+    for layout in "--tp 4" "--tp 4 --dcp 4"; do
+      # shellcheck disable=SC2086
+      python bench_capacity.py --model builtin:llama3-8b-1kv-shape --batch 64 --tokens 32000 --pcp 1 \
+        $layout --chunk 32768 --decode 32 --bw 4.8e12 >> "$out/decode-1kv.log" 2>&1
+    done ;;
+  moe)
+    for args in "--tp 4" "--dp 4 --ep" "--dp 4 --ep --dbo"; do
+      # shellcheck disable=SC2086
+      python bench_dp.py --mode moe --num-layers 12 --input-len 256 --output-len 64 --bw 4.8e12 \
+        --batches 128 512 $args >> "$out/moe.log" 2>&1
+    done ;;
+  startup)
+    python bench_startup.py --runs tp4:qwen3-0.6b-shape tp4:qwen3-30b-a3b-shape --repeat 2 \
+      > "$out/startup.log" 2>&1 ;;
+  *) echo "PART: pcp, decode, moe or startup" >&2; exit 2 ;;
+esac
+tail -n 12 "$out"/"$part"*.log
