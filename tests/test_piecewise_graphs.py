@@ -72,7 +72,8 @@ def test_piecewise_equals_eager_bit_for_bit(model, monkeypatch, pool_whole):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(prefill_context_parallel_size=2)])
+                                    dict(prefill_context_parallel_size=2),
+                                    dict(prefill_context_parallel_size=2, tensor_parallel_size=2)])
 def test_piecewise_layouts_give_the_tokens_of_one_rank(monkeypatch, layout):
     """TP=2 (gloo): the all-reduces inside the segments; PCP=2: the collectives in attention
     between them, the ranks' equal token counts; tokens and logprobs of one rank."""
