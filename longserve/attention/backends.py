@@ -272,8 +272,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
 def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     """Fused attention that also returns the LSE (the op `sdpa_choice` found), [S, H, D] layout."""
-    if k.shape[0] == 0 or q.device.type != "cuda" or sdpa_choice(q.device, q.dtype, q.shape[2])[0] is None:
-        out, lse = reference_attention(q, k, v, causal, scale)  # (None: no fused op runs here)
+    op, cudnn_gqa = sdpa_choice(q.device, q.dtype, q.shape[2]) if q.is_cuda else (None, False)
+    if k.shape[0] == 0 or op is None:  # (None: no fused op runs here)
+        out, lse = reference_attention(q, k, v, causal, scale)
         return out.to(q.dtype), lse
     if causal and q.shape[0] > k.shape[0]:  # rows past the keys (PCP pads) see every key
         n = k.shape[0]
@@ -283,7 +284,6 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     group = q.shape[1] // k.shape[1]
     if not causal and group > 1:  # GQA without copying K/V: fold each group's heads into rows
         return _folded_gqa(q, k, v, scale)
-    op, cudnn_gqa = sdpa_choice(q.device, q.dtype, q.shape[2])
     if group > 1 and cudnn_gqa:  # cuDNN takes the fewer K/V heads: no copy
         op = "cudnn"
     else:
