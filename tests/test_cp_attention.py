@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from dist_utils import run_distributed
 from longserve.attention.cp_attention import (exchange_partials, merge_attn_states, merge_partials,
-                                              pack_partial)
+                                              pack_partial, unpack_partial)
 from longserve.config import ParallelConfig
 from longserve.distributed.parallel_state import GroupCoordinator, build_parallel_state
 
@@ -97,14 +97,23 @@ def test_exchange_and_merge_equal_attention_over_the_union(sharding, layout, row
         torch.testing.assert_close(lse.double(), ref_lse[rows, heads], atol=1e-5, rtol=1e-5)
 
 
-def test_merge_partials_half_precision():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merge_partials_half_precision(dtype):
+    """Partials packed in half precision (a prefix's exchange): the LSE's float32 bytes ride in
+    two columns exactly; the merge stays within half-precision rounding of exact attention."""
     q, k, v = random_qkv(3, 2, 4, 6)
     owner = torch.tensor([0, 1, 0, 1, 1, 1])
     parts = [shard_attention(q, k, v, owner, r) for r in range(2)]
-    packed = torch.stack([torch.cat([o.bfloat16().float(), l[..., None]], -1) for o, l in parts])
-    merged, _ = merge_partials(packed, torch.bfloat16)
-    assert merged.dtype == torch.bfloat16
-    torch.testing.assert_close(merged.double(), attention(q, k, v)[0], atol=2e-2, rtol=2e-2)
+    packed = torch.stack([pack_partial(o, l, dtype) for o, l in parts])
+    assert packed.dtype == dtype and packed.shape[-1] == q.shape[-1] + 2
+    for r, (o, l) in enumerate(parts):
+        out_r, lse_r = unpack_partial(packed[r])
+        assert torch.equal(lse_r, l.float()) and torch.equal(out_r, o.to(dtype))
+    merged, lse = merge_partials(packed, dtype)
+    assert merged.dtype == dtype
+    ref_out, ref_lse = attention(q, k, v)
+    torch.testing.assert_close(merged.double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_exchange_refuses_rows_or_heads_that_do_not_divide():

@@ -260,16 +260,18 @@ def check_merge(device="cpu", dtype=torch.float32, T=9, H=3, D=24):
     assert torch.equal(out2, out)
 
 
-def check_merge_partials(device="cpu", dtype=torch.float32, S=4, T=9, H=3, D=24):
+def check_merge_partials(device="cpu", dtype=torch.float32, S=4, T=9, H=3, D=24, packed_dtype=None):
     """The CP merge kernel against the torch reference: packed [S, T, H, D + 1] partials with
     empty (-inf), NaN and +inf LSEs, a NaN output under a weight-0 LSE, a row empty everywhere."""
-    from longserve.attention.cp_attention import merge_partials
+    from longserve.attention.cp_attention import merge_partials, pack_partial
     gen = torch.Generator().manual_seed(6)
     parts = _randn(S, T, H, D + 1, dtype=torch.float32, device=device, gen=gen)
     parts[..., -1] *= 3
     parts[:, 0, 0, -1] = -math.inf
     parts[1, 1, :, -1], parts[-1, 2, 1, -1], parts[0, 3, 2, -1] = -math.inf, math.nan, math.inf
     parts[1, 1, 0, 0] = math.nan
+    if packed_dtype is not None:  # a prefix's exchange: out in half precision, the LSE's bytes
+        parts = torch.stack([pack_partial(p[..., :-1], p[..., -1], packed_dtype) for p in parts])
     out, lse = _kernels().merge_partials_triton(parts, dtype)
     ref_out, ref_lse = merge_partials(parts.cpu(), torch.float64)
     tol = _tol(dtype)
@@ -366,6 +368,8 @@ INTERPRETER_CHECKS = {
     "merge_bf16": lambda: check_merge(dtype=torch.bfloat16),
     "merge_partials": lambda: check_merge_partials(),
     "merge_partials_bf16_s2": lambda: check_merge_partials(dtype=torch.bfloat16, S=2),
+    "merge_partials_packed_bf16": lambda: check_merge_partials(dtype=torch.bfloat16, D=24,
+                                                               packed_dtype=torch.bfloat16),
     "merge_partials_d72_s70": lambda: check_merge_partials(S=70, D=72),  # D slices, S chunks
     "attention_packed": lambda: check_attention_packed(),
     "bitmask": lambda: check_bitmask(),
@@ -499,6 +503,7 @@ def test_gpu_merge(dtype):
     check_merge("cuda", dtype, T=64, H=8, D=128)
     for S in (2, 4, 8):
         check_merge_partials("cuda", dtype, S=S, T=64, H=8, D=128)
+        check_merge_partials("cuda", dtype, S=S, T=64, H=8, D=128, packed_dtype=dtype)
 
 
 @gpu

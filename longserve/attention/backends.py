@@ -166,8 +166,8 @@ class TorchAttentionBackend:
         return merge if async_op else merge()
 
     def packed_paged_attention(self, *args):
-        """paged_attention's (out, lse) as one [N, H, D + 1] float32 tensor (pack_partial)."""
-        return pack_partial(*self.paged_attention(*args))
+        """paged_attention's (out, lse) as one tensor in q's dtype (pack_partial)."""
+        return pack_partial(*self.paged_attention(*args), args[0].dtype)
 
     # ---- primitives (reference versions) ---------------------------------------------------
     @staticmethod

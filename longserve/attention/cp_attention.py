@@ -19,16 +19,25 @@ def _weighted(out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.where(w > 0, out.float() * w, 0.0)
 
 
-def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """out [N, H, D], lse [N, H] -> [N, H, D + 1] float32, the LSE last: what the exchange
-    sends (the Triton decode kernel writes this layout directly)."""
-    return torch.cat([out.float(), lse.float().unsqueeze(-1)], -1)
+def pack_partial(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """out [N, H, D], lse [N, H] -> [N, H, D + 4 / itemsize] in `dtype`: out, then the float32 LSE's
+    bytes (two columns in bf16), what the exchange sends. A prefix's partials go in the model's dtype:
+    half the bytes and no cast of out (the Triton decode kernel writes the float32 layout directly)."""
+    lse = lse.float().unsqueeze(-1).contiguous()
+    return torch.cat([out.to(dtype), lse if dtype.itemsize == 4 else lse.view(dtype)], -1)
+
+
+def unpack_partial(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., E] packed partials -> views (out [..., D], lse [...] float32)."""
+    cols = 4 // parts.element_size()
+    lse = parts[..., -cols:]
+    return parts[..., :-cols], (lse if cols == 1 else lse.view(torch.float32))[..., 0]
 
 
 def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int = 1,
                       async_op: bool = False):
     """The CP merge's one collective, over the CP group (rank p * dcp + r): packed [N, Hg, D + 1]
-    (`pack_partial`, the same N rows on every rank) -> [W, N / row_split, Hg / dcp, D + 1] float32,
+    (`pack_partial`, the same N rows on every rank) -> [W, N / row_split, Hg / dcp, E] packed,
     source rank first (DCP rank r keeps the r-th 1/dcp of the heads, PCP rank p the p-th 1/row_split
     of the rows; async_op: a function that waits for it, the device waits, not the host)."""
     (N, Hg, E), W = packed.shape, cp_group.world_size
@@ -43,12 +52,13 @@ def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int =
 
 
 def merge_partials(parts: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[W, T, H, D + 1] (every shard's out with its LSE last) -> out [T, H, D] in `dtype`,
-    lse [T, H] float32: the log-sum-exp weighted combination (torch reference)."""
-    lses = _clean_lse(parts[..., -1])
+    """[W, T, H, E] (every shard's packed partial) -> out [T, H, D] in `dtype`, lse [T, H] float32:
+    the log-sum-exp weighted combination (torch reference)."""
+    outs, lses = unpack_partial(parts)
+    lses = _clean_lse(lses)
     lse = torch.logsumexp(lses, dim=0)  # all -inf -> -inf
     weight = torch.exp(lses - torch.where(torch.isneginf(lse), 0.0, lse))  # empty shard: 0
-    return _weighted(parts[..., :-1], weight).sum(0).to(dtype), lse
+    return _weighted(outs, weight).sum(0).to(dtype), lse
 
 
 def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor,

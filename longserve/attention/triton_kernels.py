@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longserve.attention.cp_attention import pack_partial, unpack_partial
+
 LOG2E = 1.4426950408889634  # 1 / ln(2): scores go through exp2
 FP8_MAX = tl.constexpr(448.0)  # float8 e4m3fn's largest finite value (attention/kv_quant.py)
 
@@ -286,7 +288,7 @@ def _merge_splits_kernel(
         sc_ok = sc < num_splits
         w = tl.exp(_clean(tl.load(lse_row + sc * stride_qs, mask=sc_ok, other=float("-inf"))) - m)
         o = tl.load(out_row + sc[:, None] * stride_ps + d[None, :],
-                    mask=sc_ok[:, None] & (d < D)[None, :], other=0.0)  # [C, D]
+                    mask=sc_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)  # [C, D]
         acc += tl.sum(tl.where(w[:, None] > 0, o * w[:, None], 0.0), axis=0)
     denom_safe = tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / denom_safe).to(out_ptr.dtype.element_ty),
@@ -384,13 +386,14 @@ def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
 
 
 def merge_partials_triton(parts: torch.Tensor, dtype: torch.dtype):
-    """[S, T, H, D + 1] float32 partials, each with its LSE in the last column (the CP
-    exchange, attention/cp_attention.py) -> out [T, H, D] in `dtype`, lse [T, H]: one launch."""
-    S, T, H, E = parts.shape
-    out = torch.empty(T, H, E - 1, dtype=dtype, device=parts.device)
+    """[S, T, H, E] packed partials (out, then its LSE: the CP exchange, attention/cp_attention.py)
+    -> out [T, H, D] in `dtype`, lse [T, H]: one launch."""
+    part_out, part_lse = unpack_partial(parts)
+    S, T, H, D = part_out.shape
+    out = torch.empty(T, H, D, dtype=dtype, device=parts.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=parts.device)
     if T:
-        _merge_kv_splits(parts[..., :-1], parts[..., -1], out, lse, cp_ranks=S <= 16)
+        _merge_kv_splits(part_out, part_lse, out, lse, cp_ranks=S <= 16)
     return out, lse
 
 
@@ -478,13 +481,18 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
     return len(seen) + 2
 
 
-def merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device) -> list:
+def merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device, cp_size: int = 1) -> list:
     """The two merges of prefill (a prefix-cache hit's; a segment's, with its LSE), one call
-    each: under CP the first chunk with a prefix compiled them (a pcp=2 run, 2 x H200)."""
+    each: under CP the first chunk with a prefix compiled them (a pcp=2 run, 2 x H200); and
+    under CP the merge of the ranks' prefix partials, packed in `dtype`."""
     o = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     lse = torch.zeros(1, num_heads, device=device)
-    return [functools.partial(merge_attn_states_triton, torch.empty_like(o), o, lse, o, lse, out_lse)
-            for out_lse in (None, lse.clone())]
+    calls = [functools.partial(merge_attn_states_triton, torch.empty_like(o), o, lse, o, lse, out_lse)
+             for out_lse in (None, lse.clone())]
+    if cp_size > 1:
+        parts = pack_partial(o, lse, dtype).expand(cp_size, -1, -1, -1).contiguous()
+        calls.append(functools.partial(merge_partials_triton, parts, dtype))
+    return calls
 
 
 def run_in_threads(calls: list, device: torch.device) -> None:

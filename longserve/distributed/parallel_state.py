@@ -217,6 +217,20 @@ def single_rank_state() -> ParallelState:
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
 
 
+def attach_symmetric_memory(groups: list[GroupCoordinator], device: torch.device) -> None:
+    """One symmetric buffer a process, for the first group of a decode step's collectives with
+    peers; a later group of the same ranks shares it, others keep NCCL. torch counts its
+    symmetric-memory store exchanges per process, not per group: a second rendezvous over other
+    ranks (tp=4 then dcp=2's pairs) waited on mismatched keys until the timeout (4 x H200)."""
+    first = next((g for g in groups if g.world_size > 1), None)
+    if first is None:
+        return
+    first.symm = symm_all_reduce.create(first.device_group, device)
+    for g in groups:
+        if g.ranks == first.ranks:
+            g.symm = first.symm
+
+
 def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
     """Create every group; all ranks must call this in the same order (new_group is collective).
     Every collective is bounded by `distributed_timeout_s` (new_group's own default is gloo's
@@ -235,9 +249,7 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
                 mine[kind] = GroupCoordinator(ranks, rank, device_group, cpu_group)
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-        for kind in ("tp", "pcp", "dcp", "cp"):  # the groups of a decode step's collectives
-            if mine[kind].world_size > 1:
-                mine[kind].symm = symm_all_reduce.create(mine[kind].device_group, device)
+        attach_symmetric_memory([mine[k] for k in ("tp", "pcp", "dcp", "cp")], device)
         for kind in ("cp", "dp"):  # all-to-alls (the CP merge, EP's dispatch): NCCL connects
             # the peers at the first one (185 ms at 2 ranks, H200): now, not in a request
             if mine[kind].world_size > 1:

@@ -100,7 +100,8 @@ def compile_kernel_variants(model, config, ps, backend, device) -> None:
         logger.info("ran %d attention tile variants in %.1f s", n, time.perf_counter() - t)
     elif backend.name == "TRITON" and layer is not None:  # CP: the prefix / suffix merges only
         from longserve.attention.triton_kernels import merge_variants, run_in_threads
-        run_in_threads(merge_variants(layer.num_heads, layer.head_dim, config.dtype, device), device)
+        run_in_threads(merge_variants(layer.num_heads, layer.head_dim, config.dtype, device,
+                                      ps.cp.world_size), device)
     moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
     if moe is not None:  # the expert kernels' variants too
         moe.compile_kernels(config.dtype)
