@@ -149,7 +149,9 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def create_engine_config(self) -> EngineConfig:
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # device_count asks NVML; is_available initialises the driver here, in the front end,
+        # before any rank starts (1.0 s of a tp=2 start, 4 x H100)
+        device = self.device or ("cuda" if torch.cuda.device_count() > 0 else "cpu")
         model = model_with_tokenizer(os.fspath(self.model), self.seed, self.tokenizer)
         dtype = self.dtype if self.dtype != "auto" else torch.float32 if device == "cpu" else (
             torch.bfloat16 if model.checkpoint_dtype == torch.float32 else model.checkpoint_dtype)

@@ -53,3 +53,32 @@ def test_symmetric_path_equals_the_plain_all_reduce_and_follows_the_table():
 
 def test_gloo_and_cpu_groups_keep_the_plain_path():
     assert symm_all_reduce.create(None, torch.device("cpu")) is None
+
+
+def test_symmetric_buffer_gives_its_stride_and_falls_back_to_empty():
+    """The raw allocation with the stride given (empty's stride helper imports sympy), outside
+    an implicit pool as torch chooses; a torch without it gets symm_mem.empty."""
+    calls = []
+
+    class Raw:
+        @staticmethod
+        def empty_strided_p2p(size, stride, dtype, device):
+            calls.append(("raw", size, stride, dtype))
+            return torch.empty(size, dtype=dtype)
+
+    class SymmMem:
+        _SymmetricMemory = Raw
+
+        @staticmethod
+        def _should_use_implicit_mempool():
+            return False
+
+        @staticmethod
+        def empty(n, dtype, device):
+            calls.append(("empty", n, dtype))
+            return torch.empty(n, dtype=dtype)
+
+    assert symm_all_reduce.symmetric_buffer(SymmMem, 96, torch.device("cpu")).shape == (96,)
+    del SymmMem._SymmetricMemory
+    symm_all_reduce.symmetric_buffer(SymmMem, 32, torch.device("cpu"))
+    assert calls == [("raw", (96,), (1,), torch.uint8), ("empty", 32, torch.uint8)]
