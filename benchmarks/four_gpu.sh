@@ -6,6 +6,8 @@
 #                64 x 32K: tp4 against tp4 x dcp4
 #       moe      issue 43: 12-layer MoE at batch 128 and 512: tp4, dp4 + EP (+ DBO)
 #       startup  issue 41: tp4 and MoE tp4, warm, 0 compiles after ready
+#       profile  issue 42: where 8K chunks' steps go at pcp4 and on one GPU (three steps at a
+#                64-88K prefix each, read by trace_gaps.py: cuDNN's per-shape builds, collectives)
 # Each run's log goes to OUT_DIR/PART-*.log; its tables are printed at the end.
 set -uo pipefail
 part=$1 out=$2
@@ -34,6 +36,14 @@ case $part in
   startup)
     python bench_startup.py --runs tp4:qwen3-0.6b-shape tp4:qwen3-30b-a3b-shape --repeat 2 \
       > "$out/startup.log" 2>&1 ;;
-  *) echo "PART: pcp, decode, moe or startup" >&2; exit 2 ;;
+  profile)
+    for layout in "--pcp 4" "--pcp 1"; do
+      tag=$(echo "$layout" | tr -d ' -')
+      # shellcheck disable=SC2086
+      BENCH_TRACE="$out/$tag.json" python bench_capacity.py --tokens 131072 --chunk 8192 --decode 4 \
+        $layout --profile-chunk 8 > "$out/profile-$tag.log" 2>&1
+      python trace_gaps.py "$out/$tag.json" >> "$out/profile-$tag.log" 2>&1 && gzip -f "$out/$tag.json"
+    done ;;
+  *) echo "PART: pcp, decode, moe, startup or profile" >&2; exit 2 ;;
 esac
 tail -n 12 "$out"/"$part"*.log
