@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,10 +28,6 @@ class SymmAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         self.table, self.name = table, group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
-            with warnings.catch_warnings():  # (deprecated, with a warning, from torch 2.10)
-                warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(self.name)
         self.buf = symmetric_buffer(symm_mem, table[-1][0], device)
         symm_mem.rendezvous(self.buf, self.name)  # views of buf start at its base: same handle
 
