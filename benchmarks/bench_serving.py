@@ -20,7 +20,13 @@ and at tiny sizes on CPU:
 
 `--workload mixed`: long and short prompts in one Poisson stream (by default 16 x 32K and
 256 x 1K, shuffled by the run's seed: every layout gets the same requests at the same times),
-TTFT / ITL / output tokens/s of each class as well; no offline run. With `--url` it drives any
+TTFT / ITL / output tokens/s of each class as well; no offline run. `--workload long-under-decode`:
+the short prompts all at once, then (`--long-at` seconds later) the long ones, while the short
+ones decode: the long ones' TTFT, and the short ones' ITL p50 / p99 while a long prompt
+prefills against their p50 over the run (a chunked prefill's stall, issue 42's served row):
+  python benchmarks/bench_serving.py --workload long-under-decode --short-num 32 --long-num 1 \
+      --long-len 131072 --output-len 1024 --rates inf --skip-offline -- --model builtin:llama3-8b-shape \
+      --load-format dummy -pcp 4 --max-model-len 140000 With `--url` it drives any
 endpoint, e.g. `longserve proxy` in front of a disaggregated pair (docs/benchmarks.md has the
 four-GPU recipe); the flags after `--` then only name the model:
   python benchmarks/bench_serving.py --workload mixed --long-num 2 --long-len 256 --short-num 16 \
@@ -60,6 +66,8 @@ def workload(args, vocab: int, seed: int) -> tuple[list[list[int]], list[str]]:
     prompts = (random_prompts(vocab, args.long_num, args.long_len, seed)
                + random_prompts(vocab, args.short_num, args.short_len, seed + 1000))
     labels = ["long"] * args.long_num + ["short"] * args.short_num
+    if args.workload == "long-under-decode":  # the short ones first (arrival_delays)
+        return prompts[args.long_num:] + prompts[:args.long_num], labels[args.long_num:] + labels[:args.long_num]
     order = np.random.default_rng(seed).permutation(len(prompts))
     return [prompts[i] for i in order], [labels[i] for i in order]
 
@@ -183,7 +191,7 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int, de
                 times.append(time.perf_counter())
                 counts.append(k)
     itl = [(b - a) / k for a, b, k in zip(times, times[1:], counts[1:]) for _ in range(k)]
-    return dict(sent=sent, ttft=times[0] - sent, itl=itl, done=times[-1], tokens=sum(counts))
+    return dict(sent=sent, ttft=times[0] - sent, itl=itl, done=times[-1], tokens=sum(counts), times=times)
 
 
 async def send_all(url: str, model: str, prompts: list, max_tokens: int, delays, t0: float) -> list:
@@ -238,17 +246,37 @@ def latency(res: list[dict], span: float) -> dict:
                 itl_p99_ms=ms(itl, 99))
 
 
-def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, seed: int,
+def stall_during_long_prefill(res: list[dict], labels: list[str]) -> dict:
+    """The short requests' ITL while a long prompt prefills (from its arrival to its first token)
+    against their p50 over the whole run: what a chunked prefill costs the decodes beside it."""
+    long = [r for r, k in zip(res, labels) if k == "long"]
+    start, end = min(r["sent"] for r in long), max(r["sent"] + r["ttft"] for r in long)
+    gaps = [b - a for r, k in zip(res, labels) if k == "short"
+            for a, b in zip(r["times"], r["times"][1:]) if start < b <= end]
+    p50 = latency([r for r, k in zip(res, labels) if k == "short"], 1.0)["itl_p50_ms"]
+    ms = lambda q: round(1e3 * float(np.percentile(gaps or [0.0], q)), 2)  # noqa: E731
+    return dict(gaps=len(gaps), itl_p50_ms=ms(50), itl_p99_ms=ms(99), short_itl_p50_ms=p50,
+                p99_over_p50=round(ms(99) / p50, 2) if p50 else None)
+
+
+def arrival_delays(args, labels: list[str], rate: float, seed: int) -> np.ndarray:
+    """Seconds after the start each request is sent: Poisson at `rate` (inf: all at once), or
+    (long-under-decode) the short ones at once and the long ones --long-at seconds later."""
+    if args.workload == "long-under-decode":
+        return np.array([args.long_at if k == "long" else 0.0 for k in labels])
+    rng = np.random.default_rng(seed)
+    gaps = np.zeros(len(labels)) if rate == float("inf") else rng.exponential(1 / rate, len(labels))
+    return np.cumsum(gaps) - gaps[0]
+
+
+def run_rate(url: str, model: str, prompts: list, max_tokens: int, delays, rate: float,
              clients: Clients | None = None, server_pid: int | None = None,
-             labels: list[str] | None = None) -> dict:
+             labels: list[str] | None = None, stall: bool = False) -> dict:
     """clients: send from those processes (every k-th request each, on one clock), so parsing
     the SSE stream is not one core's; else from this one. server_pid: also the front end's CPU
     time per output token (API servers, not cores). labels: each request's class; with two or
-    more, the latencies of each class as well."""
+    more, the latencies of each class as well; stall: stall_during_long_prefill too."""
     cpu0 = front_end_cpu_s(server_pid)
-    rng = np.random.default_rng(seed)
-    gaps = np.zeros(len(prompts)) if rate == float("inf") else rng.exponential(1 / rate, len(prompts))
-    delays = np.cumsum(gaps) - gaps[0]
     if clients is None:
         res = client_part(url, model, prompts, max_tokens, delays, time.perf_counter())
     else:
@@ -268,6 +296,8 @@ def run_rate(url: str, model: str, prompts: list, max_tokens: int, rate: float, 
     if labels and len(set(labels)) > 1:
         row["classes"] = {c: dict(n=labels.count(c), **latency([r for r, k in zip(res, labels) if k == c], span))
                           for c in sorted(set(labels))}
+    if stall:
+        row["stall"] = stall_during_long_prefill(res, labels)
     return row
 
 
@@ -275,12 +305,13 @@ def sweep(args, model: str, vocab: int, url: str, server_pid: int | None = None)
     clients = Clients(args.client_procs) if args.client_procs > 1 else None
     try:
         if not args.no_warm_up:
-            warm, _ = workload(args, vocab, 7)  # the same batch shapes as the timed runs
-            run_rate(url, model, warm, 8, float("inf"), 0, clients)
+            warm, labels = workload(args, vocab, 7)  # the same batch shapes as the timed runs
+            run_rate(url, model, warm, 8, arrival_delays(args, labels, float("inf"), 0), float("inf"), clients)
         rows = []
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
             prompts, labels = workload(args, vocab, 100 + i)  # no prefix-cache hits
-            rows.append(run_rate(url, model, prompts, args.output_len, rate, i, clients, server_pid, labels))
+            rows.append(run_rate(url, model, prompts, args.output_len, arrival_delays(args, labels, rate, i),
+                                 rate, clients, server_pid, labels, args.workload == "long-under-decode"))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         if clients is not None:
@@ -303,6 +334,12 @@ def report(result: dict, out: str) -> None:
             for name, c in r.get("classes", {}).items():
                 print(f"| {r['rate']} | {name} | {c['n']} | {c['out_tok_s']} | {c['ttft_p50_ms']} / "
                       f"{c['ttft_p99_ms']} | {c['itl_p50_ms']} / {c['itl_p99_ms']} |")
+    for r in rows:
+        if "stall" in r:
+            st = r["stall"]
+            print(f"\nshort requests' ITL while the long prompt prefills ({st['gaps']} gaps): p50 "
+                  f"{st['itl_p50_ms']} ms, p99 {st['itl_p99_ms']} ms = {st['p99_over_p50']}x their p50 over "
+                  f"the run ({st['short_itl_p50_ms']} ms; target <= 2x)")
     if off:
         print(f"| offline LLM.generate (engine-core process) | | {off['out_tok_s']} | | decode step at "
               f"batch 1: {off['decode_step_ms']} |")
@@ -348,13 +385,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--workload", choices=("uniform", "mixed"), default="uniform",
+    ap.add_argument("--workload", choices=("uniform", "mixed", "long-under-decode"), default="uniform",
                     help="mixed: --long-num x --long-len and --short-num x --short-len prompts, latencies "
-                         "per class (no offline run)")
+                         "per class (no offline run); long-under-decode: the long ones arrive --long-at "
+                         "seconds after the short ones")
     ap.add_argument("--long-num", type=int, default=16)
     ap.add_argument("--long-len", type=int, default=32768)
     ap.add_argument("--short-num", type=int, default=256)
     ap.add_argument("--short-len", type=int, default=1024)
+    ap.add_argument("--long-at", type=float, default=2.0, help="long-under-decode: the long prompts' arrival (s)")
     ap.add_argument("--rates", default="1,4,16,64,inf", help="request rates (req/s), inf: all at once")
     ap.add_argument("--out", default="serving.json", help="JSON results (the plot goes next to it)")
     ap.add_argument("--url", default=None, help="an already running server (skips starting one)")

@@ -6,6 +6,8 @@
 #                64 x 32K: tp4 against tp4 x dcp4
 #       moe      issue 43: 12-layer MoE at batch 128 and 512: tp4, dp4 + EP (+ DBO)
 #       startup  issue 41: tp4 and MoE tp4, warm, 0 compiles after ready
+#       served   issue 42: a 128K prompt arriving while 32 requests decode, a pcp4 and a tp4 server:
+#                its TTFT, the decoders' ITL p99 while it prefills against their p50
 #       profile  issue 42: where 8K chunks' steps go at pcp4 and on one GPU (three steps at a
 #                64-88K prefix each, read by trace_gaps.py: cuDNN's per-shape builds, collectives)
 # Each run's log goes to OUT_DIR/PART-*.log; its tables are printed at the end.
@@ -39,6 +41,14 @@ case $part in
   startup)
     python bench_startup.py --runs tp4:qwen3-0.6b-shape tp4:qwen3-30b-a3b-shape --repeat 2 \
       > "$out/startup.log" 2>&1 ;;
+  served)
+    for layout in "-pcp 4" "-tp 4"; do
+      # shellcheck disable=SC2086
+      python bench_serving.py --workload long-under-decode --short-num 32 --short-len 1024 --long-num 1 \
+        --long-len 131072 --output-len 1024 --rates inf --skip-offline --fail-on-compile \
+        --out "$out/served$(echo "$layout" | tr -d ' -').json" -- --model builtin:llama3-8b-shape \
+        --load-format dummy --max-model-len 140000 $layout >> "$out/served.log" 2>&1
+    done ;;
   profile)
     for layout in "--pcp 4" "--pcp 1"; do
       tag=$(echo "$layout" | tr -d ' -')
@@ -47,6 +57,6 @@ case $part in
         $layout --profile-chunk 8 > "$out/profile-$tag.log" 2>&1
       python trace_gaps.py "$out/$tag.json" >> "$out/profile-$tag.log" 2>&1 && gzip -f "$out/$tag.json"
     done ;;
-  *) echo "PART: pcp, decode, moe, startup or profile" >&2; exit 2 ;;
+  *) echo "PART: pcp, decode, moe, startup, served or profile" >&2; exit 2 ;;
 esac
 tail -n 12 "$out"/"$part"*.log
