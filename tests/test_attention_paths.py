@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from longserve.attention.backends import (_folded_gqa, batched_decode_attention,
                                           gathered_paged_attention, reference_attention,
                                           varlen_causal)
+from longserve.attention.cp_attention import unpack_partial
 from longserve.attention.metadata import PagedPart, VarlenLayout
 from tests.test_triton_kernels import ref_paged_attention
 
@@ -63,10 +64,13 @@ def test_folded_gqa_any_shape(sq, sk, hkv, g, seed):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(sq, hkv * g, 8, generator=gen)
     k, v = torch.randn(sk, hkv, 8, generator=gen), torch.randn(sk, hkv, 8, generator=gen)
-    out, lse = _folded_gqa(q, k, v, 0.3)
     ref_out, ref_lse = reference_attention(q, k, v, False, 0.3)
-    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    packed = torch.full((sq, hkv * g, 9), float("nan"))  # the exchange's layout: the output unfolds into it
+    for dest in (None, unpack_partial(packed)[0]):
+        out, lse = _folded_gqa(q, k, v, 0.3, dest)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[..., :8], ref_out, atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
@@ -84,6 +88,14 @@ def test_gathered_paged_attention_any_batch(rows, lens, page, seed):
     ref_out, ref_lse = _reference_paged(q, kc, vc, part, 0.2)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    for dtype in (torch.float32, torch.bfloat16):  # written in place into the exchange's layout
+        packed = torch.full((*q.shape[:2], q.shape[2] + 4 // dtype.itemsize), float("nan"), dtype=dtype)
+        gathered_paged_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), part, 0.2, None,
+                                 *unpack_partial(packed))
+        got_out, got_lse = unpack_partial(packed)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got_out.float(), ref_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(got_lse, ref_lse, atol=tol, rtol=tol)
 
 
 @settings(max_examples=25, deadline=None)
@@ -132,6 +144,9 @@ def test_gpu_prefix_attention_paths_equal_reference(rows, lens):
         ref_out, ref_lse = _reference_paged(q, kc, vc, part, 0.2)
         torch.testing.assert_close(out.float().cpu(), ref_out.float().cpu(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse.cpu(), ref_lse.cpu(), atol=1e-2, rtol=1e-3)
+        packed = torch.full((*q.shape[:2], q.shape[2] + 2), float("nan"), dtype=q.dtype, device="cuda")
+        gathered_paged_attention(q, kc, vc, part, 0.2, None, *unpack_partial(packed))  # in place
+        assert torch.equal(unpack_partial(packed)[0], out) and torch.equal(unpack_partial(packed)[1], lse)
     empty = [i for i, (n, k) in enumerate(zip(rows, lens)) if k == 0]
     for i in empty:
         a, b = part.query_start_loc_cpu[i], part.query_start_loc_cpu[i + 1]

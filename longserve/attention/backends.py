@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longserve.attention.cp_attention import (exchange_partials, merge_attn_states, merge_partials,
-                                              pack_partial)
+                                              pack_partial, unpack_partial)
 from longserve.attention.kv_cache_spec import MultipleOf
 from longserve.attention.kv_quant import dequantize_kv, quantize_kv
 from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLayout
@@ -243,11 +243,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
                                  out=out, lse=lse)
 
     def packed_paged_attention(self, q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
-        """The kernel writes out and LSE straight into the exchange's layout: no cast, no cat."""
-        if _dense_prefix(q, part):
-            return super().packed_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
-        packed = torch.empty(*q.shape[:2], q.shape[2] + 1, dtype=torch.float32, device=q.device)
-        self.paged_attention(q, k_cache, v_cache, part, scale, kv_scale, packed[..., :-1], packed[..., -1])
+        """Out and LSE written straight into the exchange's layout, no cat: a gathered prefix in q's
+        dtype (its output's unfold copy is this write), the Triton kernel's in float32."""
+        dense = _dense_prefix(q, part)
+        dtype = q.dtype if dense else torch.float32
+        packed = torch.empty(*q.shape[:2], q.shape[2] + 4 // dtype.itemsize, dtype=dtype, device=q.device)
+        attend = gathered_paged_attention if dense else self.paged_attention
+        attend(q, k_cache, v_cache, part, scale, kv_scale, *unpack_partial(packed))
         return packed
 
     def suffix_attention(self, q, k, v, meta: AttentionMetadata, scale, need_lse):
@@ -270,9 +272,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return out[0].transpose(0, 1), None
 
 
-def sdpa_with_lse(q, k, v, causal: bool, scale: float):
-    """Fused attention that also returns the LSE (the op `sdpa_choice` found), [S, H, D] layout."""
+def sdpa_with_lse(q, k, v, causal: bool, scale: float, out=None):
+    """Fused attention that also returns the LSE (the op `sdpa_choice` found), [S, H, D] layout;
+    out: where the output goes (a view of the exchange's buffer, say)."""
     op, cudnn_gqa = sdpa_choice(q.device, q.dtype, q.shape[2]) if q.is_cuda else (None, False)
+    if out is not None and not (k.shape[0] and op and not causal and q.shape[1] > k.shape[1]):
+        o, lse = sdpa_with_lse(q, k, v, causal, scale)  # (only the GQA fold writes in place)
+        return out.copy_(o), lse
     if k.shape[0] == 0 or op is None:  # (None: no fused op runs here)
         out, lse = reference_attention(q, k, v, causal, scale)
         return out.to(q.dtype), lse
@@ -283,7 +289,7 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
         return torch.cat([o1, o2]), torch.cat([l1, l2])
     group = q.shape[1] // k.shape[1]
     if not causal and group > 1:  # GQA without copying K/V: fold each group's heads into rows
-        return _folded_gqa(q, k, v, scale)
+        return _folded_gqa(q, k, v, scale, out)
     if group > 1 and cudnn_gqa:  # cuDNN takes the fewer K/V heads: no copy
         op = "cudnn"
     else:
@@ -294,15 +300,17 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
     return out.transpose(0, 1), lse.float().transpose(0, 1).contiguous()
 
 
-def _folded_gqa(q, k, v, scale):
+def _folded_gqa(q, k, v, scale, out=None):
     """Non-causal GQA as MHA over Hkv heads: the G query heads of a KV head become G x S rows
-    of that head (every row sees every key, so row order does not matter)."""
+    of that head (every row sees every key, so row order does not matter). The output unfolds
+    in one copy, into `out` when given."""
     s, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     qf = q.view(s, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, s * g, d)
-    out, lse = sdpa_with_lse(qf.transpose(0, 1), k, v, False, scale)  # [S*G, Hkv, D]
-    out = out.view(s, g, hkv, d).permute(0, 2, 1, 3).reshape(s, hq, d)
+    o, lse = sdpa_with_lse(qf.transpose(0, 1), k, v, False, scale)  # [S*G, Hkv, D]
+    out = torch.empty_like(q) if out is None else out
+    out.view(s, hkv, g, d).copy_(o.view(s, g, hkv, d).permute(0, 2, 1, 3))
     return out, lse.view(s, g, hkv).permute(0, 2, 1).reshape(s, hq)
 
 
@@ -334,25 +342,29 @@ def sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> tupl
     return next((op for op in ops if runs(op, 2)), None), dtype in HALF and runs("cudnn", 1)
 
 
-def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
+def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None,
+                             out=None, lse=None):
     """Per request, gather its cached K/V pages (an FP8 cache dequantized to q's dtype) and attend
     without a mask: the reference paged attention, and the CUDA path for long chunks.
-    q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32."""
+    q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32 (given: written in place, and returned)."""
     if _flash_prefix(q, part):
-        return flash_prefix_attention(q, k_cache, v_cache, part, scale, kv_scale)
+        o, l = flash_prefix_attention(q, k_cache, v_cache, part, scale, kv_scale)
+        return (o, l) if out is None else (out.copy_(o), lse.copy_(l))
     k_scale, v_scale = (None, None) if kv_scale is None else kv_scale
     page, hkv, d = k_cache.shape[1:]
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[:2], device=q.device) if lse is None else lse
     qsl = part.query_start_loc_cpu
+    out[qsl[-1]:], lse[qsl[-1]:] = 0.0, float("-inf")  # rows past the requests' (none, as a rule)
     for r, kv_len in enumerate(part.kv_lens_cpu):
-        if kv_len == 0 or qsl[r] == qsl[r + 1]:
+        rows = slice(qsl[r], qsl[r + 1])
+        if kv_len == 0 or rows.start == rows.stop:  # no prefix: weighs 0 in the merge
+            out[rows], lse[rows] = 0.0, float("-inf")
             continue
         pages = part.block_table[r, :-(-kv_len // page)].long()
         k = dequantize_kv(k_cache[pages].reshape(-1, hkv, d)[:kv_len], k_scale, q.dtype)
         v = dequantize_kv(v_cache[pages].reshape(-1, hkv, d)[:kv_len], v_scale, q.dtype)
-        out[qsl[r]:qsl[r + 1]], lse[qsl[r]:qsl[r + 1]] = sdpa_with_lse(
-            q[qsl[r]:qsl[r + 1]], k, v, False, scale)
+        lse[rows] = sdpa_with_lse(q[rows], k, v, False, scale, out[rows])[1]
     return out, lse
 
 
