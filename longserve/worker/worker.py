@@ -24,6 +24,7 @@ from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.model_runner import ModelRunner
 from longserve.worker.step_sampler import ModelRunnerOutput
+from longserve.worker.step_trace import StepTrace
 from longserve.worker.piecewise_graphs import piecewise_pool_bytes
 from longserve.worker.utils import MemorySnapshot, request_memory
 
@@ -94,6 +95,7 @@ class Worker:
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.ps, self.device)
         self.timeline.mark("weights")
+        self.trace = StepTrace(rank, self.device)
 
     def determine_num_blocks(self) -> int:
         """KV blocks every rank can hold (the minimum over ranks: one block id space)."""
@@ -141,7 +143,9 @@ class Worker:
     def execute(self, out: SchedulerOutput, resolve: bool = True) -> ModelRunnerOutput | None:
         """resolve=False: return as soon as the step is queued on the device; the output's
         resolve() waits for the sampled ids (asynchronous scheduling)."""
+        self.trace.before_step()
         result = self.runner.execute(out)
+        self.trace.after_step()
         return result.resolve() if resolve and result is not None else result
 
     def close(self) -> None:
