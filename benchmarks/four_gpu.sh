@@ -8,8 +8,8 @@
 #       startup  issue 41: tp4 and MoE tp4, warm, 0 compiles after ready
 #       served   issue 42: a 128K prompt arriving while 32 requests decode, a pcp4 and a tp4 server:
 #                its TTFT, the decoders' ITL p99 while it prefills against their p50
-#       profile  issue 42: where 8K chunks' steps go at pcp4 and on one GPU (three steps at a
-#                64-88K prefix each, read by trace_gaps.py: cuDNN's per-shape builds, collectives)
+#       profile  issue 42: where 8K chunks' steps go at pcp4 and on one GPU, every rank's timeline
+#                (LONGSERVE_TRACE; read by trace_gaps.py: cuDNN's per-shape builds, collectives, skew)
 # Each run's log goes to OUT_DIR/PART-*.log; its tables are printed at the end.
 set -uo pipefail
 part=$1 out=$2
@@ -52,10 +52,13 @@ case $part in
   profile)
     for layout in "--pcp 4" "--pcp 1"; do
       tag=$(echo "$layout" | tr -d ' -')
+      # every rank's steps 16-18 (the start-up's ~8 warm-up steps, then 8K chunks at a ~64-88K prefix)
       # shellcheck disable=SC2086
-      BENCH_TRACE="$out/$tag.json" python bench_capacity.py --tokens 131072 --chunk 8192 --decode 4 \
-        $layout --profile-chunk 8 > "$out/profile-$tag.log" 2>&1
-      python trace_gaps.py "$out/$tag.json" >> "$out/profile-$tag.log" 2>&1 && gzip -f "$out/$tag.json"
+      LONGSERVE_TRACE="$out/$tag:16:3" python bench_capacity.py --tokens 131072 --chunk 8192 --decode 4 \
+        $layout > "$out/profile-$tag.log" 2>&1
+      for f in "$out/$tag"/rank*.json; do
+        python trace_gaps.py "$f" > "${f%.json}.txt" 2>&1 && gzip -f "$f"
+      done
     done ;;
   *) echo "PART: pcp, decode, moe, startup, served or profile" >&2; exit 2 ;;
 esac
