@@ -8,6 +8,8 @@
 #       startup  issue 41: tp4 and MoE tp4, warm, 0 compiles after ready
 #       served   issue 42: a 128K prompt arriving while 32 requests decode, a pcp4 and a tp4 server:
 #                its TTFT, the decoders' ITL p99 while it prefills against their p50
+#       moe-profile  issue 43: every rank's timeline of three decode steps at batch 512, tp4 and
+#                dp4 + EP (LONGSERVE_TRACE: where the host's step goes)
 #       profile  issue 42: where 8K chunks' steps go at pcp4 and on one GPU, every rank's timeline
 #                (LONGSERVE_TRACE; read by trace_gaps.py: cuDNN's per-shape builds, collectives, skew)
 # Each run's log goes to OUT_DIR/PART-*.log; its tables are printed at the end.
@@ -49,6 +51,17 @@ case $part in
         --out "$out/served$(echo "$layout" | tr -d ' -').json" -- --model builtin:llama3-8b-shape \
         --load-format dummy --max-model-len 140000 $layout >> "$out/served.log" 2>&1
     done ;;
+  moe-profile)
+    for args in "--tp 4" "--dp 4 --ep"; do
+      tag=$(echo "$args" | tr -d ' -')
+      # steps 70-72: past the engine's warm-up, the warm-up generate and the prompts' chunks
+      # shellcheck disable=SC2086
+      LONGSERVE_TRACE="$out/moe-$tag:70:3" python bench_dp.py --mode moe --num-layers 12 --input-len 256 \
+        --output-len 64 --bw 4.8e12 --batches 512 $args > "$out/moe-profile-$tag.log" 2>&1
+      for f in "$out/moe-$tag"/rank*.json; do
+        python trace_gaps.py "$f" > "${f%.json}.txt" 2>&1 && gzip -f "$f"
+      done
+    done ;;
   profile)
     for layout in "--pcp 4" "--pcp 1"; do
       tag=$(echo "$layout" | tr -d ' -')
@@ -60,6 +73,6 @@ case $part in
         python trace_gaps.py "$f" > "${f%.json}.txt" 2>&1 && gzip -f "$f"
       done
     done ;;
-  *) echo "PART: pcp, decode, moe, startup, served or profile" >&2; exit 2 ;;
+  *) echo "PART: pcp, decode, moe, startup, served, profile or moe-profile" >&2; exit 2 ;;
 esac
 tail -n 12 "$out"/"$part"*.log
