@@ -347,13 +347,12 @@ class Scheduler:
             self._finished_ids.append(req_id)
         if req_id in self.loading:
             return  # a load is writing its blocks: they are freed when it reports done
-        delay = False
         if self.connector is not None:
             delay, req.kv_transfer_params = self.connector.request_finished(req, req.block_ids)
-        if delay:
-            self.held[req_id] = req
-        else:
-            self.kv.free(req)
+            if delay:
+                self.held[req_id] = req
+                return
+        self.kv.free(req)
 
     # ---- KV transfers -----------------------------------------------------------------
     def update_kv_transfers(self, kv_out) -> list[Request]:

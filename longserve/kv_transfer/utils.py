@@ -58,9 +58,8 @@ class KVOutputAggregator:
             self._count_down(kv.finished_recving, self._recv_remaining_count, recving)
             invalid |= kv.invalid_block_ids
         result = outputs[output_rank]
-        if result is None:
-            return None
-        return replace(result, kv_connector_output=KVConnectorOutput(sending, recving, invalid))
+        return None if result is None else replace(
+            result, kv_connector_output=KVConnectorOutput(sending, recving, invalid))
 
 
 # ---- cache layout ----------------------------------------------------------------------

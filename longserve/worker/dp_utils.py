@@ -16,11 +16,8 @@ def can_split_into_ubatches(num_tokens: int,
                             num_scheduled_tokens_per_request: np.ndarray | None = None) -> bool:
     """Whether two non-empty micro-batches exist locally: two token halves, and with per-request
     counts two requests with tokens (a split keeps requests whole)."""
-    if num_tokens < 2:
-        return False
-    if num_scheduled_tokens_per_request is None:
-        return True
-    return int(np.count_nonzero(num_scheduled_tokens_per_request)) >= 2
+    per_request = num_scheduled_tokens_per_request
+    return num_tokens >= 2 and (per_request is None or int(np.count_nonzero(per_request)) >= 2)
 
 
 def _run_ar(column: list[int], dp_size: int, dp_rank: int, dp_group) -> torch.Tensor:
