@@ -147,9 +147,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: list, budget: int) -> None:
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if self._num_seqs() + 1 + len(req.children) > self.config.max_num_seqs:
-                break
-            if req.num_steps_in_flight:  # preempted with a step in flight: wait for its result
+            if (self._num_seqs() + 1 + len(req.children) > self.config.max_num_seqs
+                    or req.num_steps_in_flight):  # (preempted, a step in flight: wait for its result)
                 break
             computed_blocks, num_computed, external, load_async = [], 0, 0, False
             if not req.needs_prompt_logprobs:  # those recompute: every prompt row is scored

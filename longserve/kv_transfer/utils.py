@@ -50,13 +50,11 @@ class KVOutputAggregator:
         """outputs: each worker's ModelRunnerOutput (or None: a worker that reported nothing).
         Returns outputs[output_rank] with the united KVConnectorOutput in `kv_connector_output`."""
         sending, recving, invalid = set(), set(), set()
-        for out in outputs:
-            kv = getattr(out, "kv_connector_output", None) if out is not None else None
-            if kv is None:
-                continue
-            self._count_down(kv.finished_sending, self._send_remaining_count, sending)
-            self._count_down(kv.finished_recving, self._recv_remaining_count, recving)
-            invalid |= kv.invalid_block_ids
+        for kv in [getattr(out, "kv_connector_output", None) for out in outputs]:
+            if kv is not None:
+                self._count_down(kv.finished_sending, self._send_remaining_count, sending)
+                self._count_down(kv.finished_recving, self._recv_remaining_count, recving)
+                invalid |= kv.invalid_block_ids
         result = outputs[output_rank]
         return None if result is None else replace(
             result, kv_connector_output=KVConnectorOutput(sending, recving, invalid))

@@ -84,8 +84,7 @@ def coordinate_batch_across_dp(num_tokens_unpadded: int, allow_microbatching: bo
     vLLM's, unused. Returns (should_ubatch: every rank can split with a real token in each half,
     num_tokens_after_padding: CPU int32 [dp_size] equal on all ranks, or None without DP padding,
     synced_cudagraph_mode: the minimum over ranks)."""
-    if num_tokens_padded is None:
-        num_tokens_padded = num_tokens_unpadded
+    num_tokens_padded = num_tokens_unpadded if num_tokens_padded is None else num_tokens_padded
     dp_size = parallel_config.data_parallel_size
     if dp_size > 1 and (dp_group is None or dp_group.world_size != dp_size):
         raise ValueError(f"data_parallel_size={dp_size} needs the DP group of that size")
