@@ -299,9 +299,7 @@ class MPClient:
 
     def _check_cores(self) -> None:
         now = time.monotonic()
-        for d in range(self.num_cores):
-            if d in self.dead:
-                continue
+        for d in range(self.num_cores):  # (a core already dead: _mark_dead ignores it)
             p = self.procs.get(d)
             if p is not None and p.poll() is not None:
                 self._mark_dead(d, f"engine core {d} died (exit code {p.returncode})")
