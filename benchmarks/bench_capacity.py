@@ -42,7 +42,7 @@ PARAMS, LAYERS, HEADS, HEAD_DIM = 8.03e9, 32, 32, 128
 
 def kv_share(num_kv_heads: int, tp: int, dcp: int, pcp: int) -> float:
     """The share of the KV one rank holds: its KV heads (replicated when fewer than the
-    tp / dcp head groups; models/layers.py kv_head_range) over its CP shard of the tokens."""
+    tp / dcp head groups: topology.kv_heads_of_rank) over its CP shard of the tokens."""
     groups = tp // dcp
     heads = num_kv_heads // groups if num_kv_heads >= groups else 1
     return heads / num_kv_heads / (pcp * dcp)

@@ -36,6 +36,15 @@ ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),  # see models/layers.
                                 "original_max_position_embeddings")}
 
 
+def read_json(path: str):
+    """A JSON file's value; a file that is not JSON: ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
 def check_hf_sizes(hf: dict, source: str) -> None:
     for key in HF_SIZE_FIELDS:
         required = key in HF_REQUIRED_FIELDS
@@ -89,11 +98,7 @@ class ModelConfig:
         config_file = os.path.join(path, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in model folder {path!r}")
-        try:
-            with open(config_file, encoding="utf-8") as f:
-                hf = json.load(f)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+        hf = read_json(config_file)
         if not isinstance(hf, dict):
             raise ValueError(f"{config_file} must hold a JSON object, got {type(hf).__name__}")
         try:

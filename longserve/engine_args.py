@@ -212,7 +212,7 @@ def validate_parallel(p: ParallelConfig, model: ModelConfig, cache: CacheConfig,
     refuse(model.num_heads % tp, f"tensor_parallel_size={tp} must divide the {model.num_heads} attention heads")
     refuse(model.intermediate_size % tp, f"tensor_parallel_size={tp} must divide the MLP's "
            f"intermediate_size={model.intermediate_size}")
-    groups = tp // dcp  # KV head groups (see kv_head_range)
+    groups = tp // dcp  # KV head groups (see kv_heads_of_rank)
     refuse(model.num_kv_heads % groups and groups % model.num_kv_heads,
            f"{model.num_kv_heads} KV heads cannot be split over tp/dcp={groups} groups")
     refuse(cache.block_size % p.cp_kv_cache_interleave_size, f"cp_kv_cache_interleave_size="

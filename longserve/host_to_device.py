@@ -8,9 +8,7 @@ import torch
 
 def to_device(a: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
-    if torch.device(device).type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 
 def to_device_all(arrays: list, device: torch.device | str) -> list[torch.Tensor]:

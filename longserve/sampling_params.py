@@ -118,10 +118,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
-        if self.logprobs is not None:
-            self.logprobs = as_int(self.logprobs, "logprobs", 0)
-        if self.prompt_logprobs is not None:
-            self.prompt_logprobs = as_int(self.prompt_logprobs, "prompt_logprobs", 0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_int(getattr(self, name), name, 0))
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_short(self.logit_bias)}")

@@ -3,11 +3,10 @@
 Jinja2 as HF's `apply_chat_template` does."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
-from longserve.config import ModelConfig
+from longserve.config import ModelConfig, read_json
 from longserve.models.gguf_loader import gguf_metadata, is_gguf
 
 
@@ -42,23 +41,17 @@ def folder_tokenizer(path: str):
     """(Tokenizer or None, chat template or None, tokenizer_config dict) of a HF folder."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer folder {path!r} does not exist")
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
         return None, None, {}
     from tokenizers import Tokenizer
-    file = os.path.join(path, "tokenizer.json")
     try:
         tok = Tokenizer.from_file(file)
     except Exception as e:  # the Rust side raises a bare Exception for a corrupt file
         raise ValueError(f"cannot read the tokenizer {file}: {e}") from None
-    extra = {}
     config_file = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(config_file):
-        try:
-            with open(config_file, encoding="utf-8") as f:
-                extra = json.load(f)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{config_file} is not valid JSON: {e}") from None
-        extra = extra if isinstance(extra, dict) else {}
+    extra = read_json(config_file) if os.path.isfile(config_file) else {}
+    extra = extra if isinstance(extra, dict) else {}
     template = extra.get("chat_template")
     jinja_file = os.path.join(path, "chat_template.jinja")
     if template is None and os.path.isfile(jinja_file):

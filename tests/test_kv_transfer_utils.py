@@ -1,6 +1,5 @@
 """The KV-transfer seed units: hand-worked examples and property tests."""
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -284,12 +283,15 @@ def test_shard_move_reassemble_is_bit_exact(data):
 
 
 @pytest.mark.parametrize("heads, tp, dcp", [(8, 4, 1), (2, 4, 1), (1, 4, 2), (4, 4, 2), (2, 8, 2), (8, 1, 1)])
-def test_head_placement_is_the_models(heads, tp, dcp):
+def test_head_placement(heads, tp, dcp):
+    """(The model's QKV projection and the transfer both place heads by kv_heads_of_rank.) A DCP
+    group's ranks hold the same heads; the tp / dcp groups split the heads, or each holds one
+    (replicated) when there are fewer heads than groups; together they hold every head."""
     from longserve.kv_transfer.topology import kv_heads_of_rank
-    from longserve.models.layers import kv_head_range
-    for r in range(tp):
-        group = SimpleNamespace(world_size=tp, rank_in_group=r)
-        assert kv_heads_of_rank(heads, tp, r, dcp) == kv_head_range(heads, group, dcp)
+    placed = [kv_heads_of_rank(heads, tp, r, dcp) for r in range(tp)]
+    assert all(placed[r] == placed[r - r % dcp] for r in range(tp))
+    assert all(count == max(1, heads // (tp // dcp)) for _, count in placed)
+    assert set().union(*(range(f, f + c) for f, c in placed)) == set(range(heads))
 
 
 @pytest.mark.timeout(60)

@@ -139,7 +139,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def suffix_kv_heads(layer: Attention, k, v, ps):
-        """With DCP a rank holds the KV heads of its whole DCP group (see kv_head_range);
+        """With DCP a rank holds the KV heads of its whole DCP group (see kv_heads_of_rank);
         its own query heads, the r-th 1/dcp of the group's, read only their share."""
         dcp = ps.dcp.world_size
         if dcp == 1:

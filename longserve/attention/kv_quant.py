@@ -10,13 +10,9 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """x [T, H, D] -> the cache's dtype; scale [H] (None: a plain cast)."""
-    if scale is None:
-        return x.to(dtype)
-    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype) if scale is None else (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Cache rows x [T, H, D] -> dtype; scale [H] (None: a plain cast)."""
-    if scale is None:
-        return x.to(dtype)
-    return (x.float() * scale[:, None]).to(dtype)
+    return x.to(dtype) if scale is None else (x.float() * scale[:, None]).to(dtype)

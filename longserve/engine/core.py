@@ -236,10 +236,9 @@ class EngineCore:
 
     def info(self) -> dict:
         """What this core holds (the server's start-up banner, the door's pool check)."""
-        driver = self.executor.driver
         return dict(engine_index=self.engine_index, num_gpu_blocks=self.kv.num_blocks,
                     tokens_per_block=self.kv.tokens_per_block, load_s=round(self.load_s, 2),
-                    cudagraph_capture_s=driver.cudagraph_capture_s,
+                    cudagraph_capture_s=self.executor.driver.cudagraph_capture_s,
                     device_names=self.executor.device_names,
                     startup=dict(self.timeline.as_dict(), ranks=self.executor.worker_timelines()))
 

@@ -73,17 +73,16 @@ def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddres
     """Start DP rank `dp_rank`'s engine core, seeing only its GPUs; its stdin carries how to start
     its workers, so that it starts them before importing torch (engine/__main__.py)."""
     # CUDA loads every kernel's module up front, not on a first launch mid-serving: fewer
-    # first-use stalls in TTFT (docs/benchmarks.md, online serving)
-    env = {"CUDA_MODULE_LOADING": "EAGER", **os.environ} if gpus is not None else None
-    if gpus is not None:  # the core and its workers: this core's GPUs only
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    # first-use stalls in TTFT (docs/benchmarks.md, online serving); only this core's GPUs
+    env = None if gpus is None else {"CUDA_MODULE_LOADING": "EAGER", **os.environ,
+                                     "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     par = config.parallel
     workers = None if par.replica_size == 1 else dict(
         base=par.data_parallel_rank * par.replica_size,
         replica=par.replica_size, init_method=addresses.dist_init if config.dp_lockstep else None)
     proc = subprocess.Popen([sys.executable, "-m", "longserve.engine"], stdin=subprocess.PIPE, env=env)
     proc.stdin.write(pickle.dumps((workers, pickle.dumps(config),
-                                   pickle.dumps((dp_rank, addresses, gpus, time.time())))))
+                                   pickle.dumps((dp_rank, addresses, time.time())))))
     proc.stdin.close()
     return proc
 
@@ -300,9 +299,7 @@ class MPClient:
 
     def _check_cores(self) -> None:
         now = time.monotonic()
-        for d in range(self.num_cores):
-            if d in self.dead:
-                continue
+        for d in range(self.num_cores):  # (a core already dead: _mark_dead ignores it)
             p = self.procs.get(d)
             if p is not None and p.poll() is not None:
                 self._mark_dead(d, f"engine core {d} died (exit code {p.returncode})")

@@ -4,7 +4,6 @@ expert models: docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import signal
 import threading
@@ -148,16 +147,13 @@ class EngineCoreProc:
 
 # ---- the process --------------------------------------------------------------------------
 def run_engine_core(config: EngineConfig, engine_index: int, addresses: CoreAddresses,
-                    gpus: list[str] | None = None, spawned_at: float | None = None,
-                    workers: WorkerProcs | None = None) -> None:
-    """Entry of an engine-core process (spawned by the front end, or by a headless host)."""
+                    spawned_at: float | None = None, workers: WorkerProcs | None = None) -> None:
+    """Entry of an engine-core process (start_core_process: only its GPUs visible)."""
     import zmq
     timeline = Timeline(spawned_at)
     timeline.mark("core process start + imports")
 
     from longserve.worker.worker import exit_with_parent
-    if gpus is not None:  # before anything touches CUDA: this core's GPUs only
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     signal.signal(signal.SIGTERM, _raise_system_exit)
     exit_with_parent()

@@ -67,11 +67,10 @@ class Executor:
         self.plans: ShmRingBuffer | None = None  # the plan to the spawned workers
         self.port: int | None = None
         self._closing, self._step = False, 0
-        self._threads, self._owns_groups = None, False
+        self._threads, self._owns_groups = torch.get_num_threads(), False  # threads: restored at shutdown
         self._torchrun = self.world > 1 and launched_by_torchrun()
         if self.world > 1 and not self._torchrun:
             make_room_for_process_group()
-        self._threads = torch.get_num_threads()  # the driver's, restored at shutdown
         self._owns_groups = self.world > 1
         try:
             with self._waiting_for("the engine was starting"):

@@ -147,9 +147,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: list, budget: int) -> None:
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if self._num_seqs() + 1 + len(req.children) > self.config.max_num_seqs:
-                break
-            if req.num_steps_in_flight:  # preempted with a step in flight: wait for its result
+            if (self._num_seqs() + 1 + len(req.children) > self.config.max_num_seqs
+                    or req.num_steps_in_flight):  # (preempted, a step in flight: wait for its result)
                 break
             computed_blocks, num_computed, external, load_async = [], 0, 0, False
             if not req.needs_prompt_logprobs:  # those recompute: every prompt row is scored
@@ -347,13 +346,12 @@ class Scheduler:
             self._finished_ids.append(req_id)
         if req_id in self.loading:
             return  # a load is writing its blocks: they are freed when it reports done
-        delay = False
         if self.connector is not None:
             delay, req.kv_transfer_params = self.connector.request_finished(req, req.block_ids)
-        if delay:
-            self.held[req_id] = req
-        else:
-            self.kv.free(req)
+            if delay:
+                self.held[req_id] = req
+                return
+        self.kv.free(req)
 
     # ---- KV transfers -----------------------------------------------------------------
     def update_kv_transfers(self, kv_out) -> list[Request]:

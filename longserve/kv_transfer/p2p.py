@@ -235,9 +235,8 @@ class P2pConnectorWorker:
 
     def _piece_scales(self, first_head: int, num_heads: int) -> torch.Tensor | None:
         """[L, 2, num_heads] FP8 scales of this rank's heads [first_head, +num_heads)."""
-        if not self.scales:
-            return None
-        return torch.stack([s[:, first_head:first_head + num_heads] for s in self.scales])
+        return (torch.stack([s[:, first_head:first_head + num_heads] for s in self.scales])
+                if self.scales else None)
 
     def _same_scales(self, msg: dict) -> bool:
         """Whether the consumer dequantizes the pieces' heads with this producer's scales."""

@@ -11,7 +11,9 @@ EngineId = str
 
 
 def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int, dcp_size: int) -> tuple[int, int]:
-    """(first, count) of the KV heads a TP rank stores (the rule of layers.kv_head_range)."""
+    """(first, count) of the KV heads a TP rank computes and stores: with DCP the `dcp` consecutive
+    TP ranks of a DCP group share one set (they split the *tokens* instead), so heads are split
+    over tp/dcp groups, each replicated when there are fewer heads than groups."""
     groups, group = tp_size // dcp_size, tp_rank // dcp_size
     if num_kv_heads >= groups:
         per = num_kv_heads // groups

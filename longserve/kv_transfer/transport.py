@@ -108,9 +108,7 @@ class PairGroups:
             consume(i, buf)
 
     def _until(self, deadline: float | None) -> float:
-        if deadline is None:
-            return self.timeout_s
-        return max(0.05, min(self.timeout_s, deadline - time.time()))
+        return self.timeout_s if deadline is None else max(0.05, min(self.timeout_s, deadline - time.time()))
 
 
 # ---- control messages over the store ---------------------------------------------------------

@@ -34,8 +34,7 @@ class KVOutputAggregator:
     @classmethod
     def from_connector(cls, connector, world_size: int) -> "KVOutputAggregator":
         """A connector may say how many workers report each request (default: all of them)."""
-        count = getattr(connector, "get_finished_count", lambda: None)()
-        return cls(count or world_size)
+        return cls(getattr(connector, "get_finished_count", lambda: None)() or world_size)
 
     def _count_down(self, ids: set[str], remaining: dict[str, int], done: set[str]) -> None:
         for req_id in ids:
@@ -50,17 +49,14 @@ class KVOutputAggregator:
         """outputs: each worker's ModelRunnerOutput (or None: a worker that reported nothing).
         Returns outputs[output_rank] with the united KVConnectorOutput in `kv_connector_output`."""
         sending, recving, invalid = set(), set(), set()
-        for out in outputs:
-            kv = getattr(out, "kv_connector_output", None) if out is not None else None
-            if kv is None:
-                continue
-            self._count_down(kv.finished_sending, self._send_remaining_count, sending)
-            self._count_down(kv.finished_recving, self._recv_remaining_count, recving)
-            invalid |= kv.invalid_block_ids
+        for kv in [getattr(out, "kv_connector_output", None) for out in outputs]:
+            if kv is not None:
+                self._count_down(kv.finished_sending, self._send_remaining_count, sending)
+                self._count_down(kv.finished_recving, self._recv_remaining_count, recving)
+                invalid |= kv.invalid_block_ids
         result = outputs[output_rank]
-        if result is None:
-            return None
-        return replace(result, kv_connector_output=KVConnectorOutput(sending, recving, invalid))
+        return None if result is None else replace(
+            result, kv_connector_output=KVConnectorOutput(sending, recving, invalid))
 
 
 # ---- cache layout ----------------------------------------------------------------------
@@ -118,9 +114,8 @@ def _make_src_and_dst_indices(src_block_ids: list[int], dst_block_ids: list[int]
                               dst_device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations")
-    src = torch.tensor(src_block_ids, dtype=torch.long, device=src_device)
-    dst = torch.tensor(dst_block_ids, dtype=torch.long, device=dst_device)
-    return src, dst
+    return (torch.tensor(src_block_ids, dtype=torch.long, device=src_device),
+            torch.tensor(dst_block_ids, dtype=torch.long, device=dst_device))
 
 
 def _contiguous_run(ids: list[int]) -> bool:

@@ -9,7 +9,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from longserve.config import ModelConfig
+from longserve.config import ModelConfig, read_json
 from longserve.models.gguf_loader import gguf_hf_config, is_gguf
 from longserve.models.loader import checkpoint_shapes
 from longserve.models.smollm2 import smollm2_path
@@ -111,12 +111,9 @@ def resolve_model(model: str, seed: int = 0) -> str:
     path = os.path.join(cache_dir(), f"{name}-seed{seed}")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         write_builtin(name, path, seed)
-    elif name.endswith("-shape"):  # a config only: a cache written by an older entry is refreshed
-        with open(os.path.join(path, "config.json")) as f:
-            stale = json.load(f) != BUILTIN_CONFIGS[name]
-        if stale:
-            with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(BUILTIN_CONFIGS[name], f, indent=2)
+    elif name.endswith("-shape") and read_json(os.path.join(path, "config.json")) != BUILTIN_CONFIGS[name]:
+        with open(os.path.join(path, "config.json"), "w") as f:  # a config only: refreshed
+            json.dump(BUILTIN_CONFIGS[name], f, indent=2)
     return path
 
 

@@ -47,10 +47,9 @@ def pre_tokenizer(name: str, path: str):
     if split is None:
         raise ValueError(f"{path!r}: GGUF pre-tokenizer {name!r} is not supported (one of "
                          f"{sorted(PRE_TOKENIZERS)}); pass tokenizer=<folder with tokenizer.json>")
+    byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
     if split == "gpt2":
-        return pt.ByteLevel(add_prefix_space=False, use_regex=True)
+        return byte_level
     if split == "digits":
-        return pt.Sequence([pt.Digits(individual_digits=True),
-                            pt.ByteLevel(add_prefix_space=False, use_regex=True)])
-    return pt.Sequence([pt.Split(Regex(split), behavior="isolated", invert=False),
-                        pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pt.Sequence([pt.Digits(individual_digits=True), byte_level])
+    return pt.Sequence([pt.Split(Regex(split), behavior="isolated", invert=False), byte_level])

@@ -41,9 +41,8 @@ def set_kv_scales(model, checkpoint_scales: dict[tuple[int, str], torch.Tensor])
 def heads_of(given: torch.Tensor, qkv) -> torch.Tensor:
     """A checkpoint scale (scalar, or one per KV head of the model) -> this rank's heads."""
     given = given.float().reshape(-1).to(qkv.weight.device)
-    if given.numel() == 1:
-        return given.expand(qkv.num_kv_heads)
-    return given[qkv.kv_start:qkv.kv_start + qkv.num_kv_heads]
+    first, n = qkv.kv_start, qkv.num_kv_heads
+    return given.expand(n) if given.numel() == 1 else given[first:first + n]
 
 
 def weight_bound(input_norm_weight: torch.Tensor, attn_module) -> torch.Tensor:

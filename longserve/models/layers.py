@@ -60,15 +60,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy_checked(param.data.narrow(0, offset, size), piece)
 
 
-def kv_head_range(num_kv_heads: int, tp: GroupCoordinator, dcp_size: int) -> tuple[int, int]:
-    """(first, count) of the KV heads this rank computes and stores: with DCP the `dcp`
-    consecutive TP ranks of a DCP group share one set (they split the *tokens* instead), so
-    heads are split over tp/dcp groups, each replicated when there are fewer heads than groups."""
-    return kv_heads_of_rank(num_kv_heads, tp.world_size, tp.rank_in_group, dcp_size)
-
-
 class QKVParallelLinear(nn.Module):
-    """Fused q, k, v projection; q heads split over TP, KV heads per `kv_head_range`."""
+    """Fused q, k, v projection; q heads split over TP, KV heads per `kv_heads_of_rank`."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  tp: GroupCoordinator, dcp_size: int = 1):
@@ -76,7 +69,8 @@ class QKVParallelLinear(nn.Module):
         assert num_heads % tp.world_size == 0, (num_heads, tp.world_size)
         self.tp, self.head_dim = tp, head_dim
         self.num_heads = num_heads // tp.world_size
-        self.kv_start, self.num_kv_heads = kv_head_range(num_kv_heads, tp, dcp_size)
+        self.kv_start, self.num_kv_heads = kv_heads_of_rank(num_kv_heads, tp.world_size,
+                                                            tp.rank_in_group, dcp_size)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         rows = self.q_size + 2 * self.kv_size

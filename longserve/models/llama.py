@@ -68,9 +68,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, cos_sin, hidden, residual, meta, sp: bool, dp_pad: int | None = None):
         """With sequence parallelism (`sp`) hidden and residual hold this TP rank's slice of the tokens
         between layers; dp_pad: tokens per DP rank in expert layers."""
-        q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp)
-        out = self.self_attn.attn(q, k, v, meta)
-        return self.after_attention(out, residual, sp, dp_pad)
+        hidden, residual = self.attention_block(cos_sin, hidden, residual, meta, sp)
+        return self.mlp(hidden, "scatter" if sp else "all", dp_pad), residual
 
     def attention_block(self, cos_sin, hidden, residual, meta, sp: bool):
         """Everything before the MLP: its input (gathered over TP with sp) and the residual."""

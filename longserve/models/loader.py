@@ -3,14 +3,13 @@ taking its slices; `load_format="dummy"`: seeded random values (benchmarks at re
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 
 import torch
 from safetensors import safe_open
 
-from longserve.config import ModelConfig
+from longserve.config import ModelConfig, read_json
 from longserve.distributed.parallel_state import ParallelState
 from longserve.models.gguf_loader import gguf_hf_config, gguf_tensors, is_gguf
 from longserve.models.kv_scales import checkpoint_scale_key, set_kv_scales
@@ -44,9 +43,8 @@ def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
-            with open(index, encoding="utf-8") as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            names = sorted(set(read_json(index)["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{index} is not a valid weight index: {e!r}") from None
         files = [os.path.join(path, n) for n in names]
         missing = [f for f in files if not os.path.isfile(f)]

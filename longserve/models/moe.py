@@ -243,8 +243,7 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """torch._grouped_mm wants 16-byte aligned rows (and bf16 on CUDA)."""
     if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
         return False
-    size = x.element_size()
-    return all(d * size % 16 == 0 for d in (w.shape[1], w.shape[2]))
+    return all(d * x.element_size() % 16 == 0 for d in (w.shape[1], w.shape[2]))
 
 
 def drain(stages):

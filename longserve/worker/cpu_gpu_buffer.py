@@ -16,7 +16,5 @@ class CpuGpuBuffer:
 
     def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
         """Copy the first `n` rows (all when None) to the device; return that device slice."""
-        if n is None:
-            return self.gpu.copy_(self.cpu, non_blocking=True)
         return self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
 

@@ -19,11 +19,9 @@ NO_GRAPH, FULL_GRAPH = 0, 2  # coordinate_batch_across_dp's CUDA-graph modes
 
 def wants_dbo(parallel, inp: StepInputs) -> bool:
     """vLLM's thresholds: decode-only steps of >= 32 tokens, steps with a prefill of >= 512."""
-    if not parallel.enable_dbo:
-        return False
     threshold = (parallel.dbo_decode_token_threshold if inp.is_pure_decode
                  else parallel.dbo_prefill_token_threshold)
-    return inp.num_local_tokens >= threshold
+    return parallel.enable_dbo and inp.num_local_tokens >= threshold
 
 
 def balanced_split(tokens_per_request: np.ndarray) -> int:

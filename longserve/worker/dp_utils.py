@@ -16,11 +16,8 @@ def can_split_into_ubatches(num_tokens: int,
                             num_scheduled_tokens_per_request: np.ndarray | None = None) -> bool:
     """Whether two non-empty micro-batches exist locally: two token halves, and with per-request
     counts two requests with tokens (a split keeps requests whole)."""
-    if num_tokens < 2:
-        return False
-    if num_scheduled_tokens_per_request is None:
-        return True
-    return int(np.count_nonzero(num_scheduled_tokens_per_request)) >= 2
+    per_request = num_scheduled_tokens_per_request
+    return num_tokens >= 2 and (per_request is None or int(np.count_nonzero(per_request)) >= 2)
 
 
 def _run_ar(column: list[int], dp_size: int, dp_rank: int, dp_group) -> torch.Tensor:
@@ -87,8 +84,7 @@ def coordinate_batch_across_dp(num_tokens_unpadded: int, allow_microbatching: bo
     vLLM's, unused. Returns (should_ubatch: every rank can split with a real token in each half,
     num_tokens_after_padding: CPU int32 [dp_size] equal on all ranks, or None without DP padding,
     synced_cudagraph_mode: the minimum over ranks)."""
-    if num_tokens_padded is None:
-        num_tokens_padded = num_tokens_unpadded
+    num_tokens_padded = num_tokens_unpadded if num_tokens_padded is None else num_tokens_padded
     dp_size = parallel_config.data_parallel_size
     if dp_size > 1 and (dp_group is None or dp_group.world_size != dp_size):
         raise ValueError(f"data_parallel_size={dp_size} needs the DP group of that size")

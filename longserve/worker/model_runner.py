@@ -109,13 +109,11 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """[2, num_blocks * k, kernel_block_size, Hkv, D] per layer that owns a cache."""
-        kv_config, attn_groups, runner_only = self._kv_cache_groups()
+        _, attn_groups, runner_only = self._kv_cache_groups()
         k = self.block_size // self.kernel_block_size
-        caches = {}
-        for name, a in self.layers.items():
-            if a.kv_sharing_target is None:
-                caches[name] = torch.empty(2, num_blocks * k, self.kernel_block_size, a.num_kv_heads,
-                                           a.head_dim, dtype=self.kv_dtype, device=self.device)
+        caches = {name: torch.empty(2, num_blocks * k, self.kernel_block_size, a.num_kv_heads, a.head_dim,
+                                    dtype=self.kv_dtype, device=self.device)
+                  for name, a in self.layers.items() if a.kv_sharing_target is None}
         for name, a in self.layers.items():
             if a.kv_sharing_target is not None:
                 caches[name] = caches[f"model.layers.{a.kv_sharing_target}.self_attn.attn"]
@@ -126,9 +124,8 @@ class ModelRunner:
 
     def kv_scales(self) -> dict[str, torch.Tensor] | None:
         """An FP8 cache's per-head scales by layer (None: the cache holds the model's dtype)."""
-        if self.kv_dtype != torch.float8_e4m3fn:
-            return None
-        return {name: a.kv_scale for name, a in self.layers.items()}
+        fp8 = self.kv_dtype == torch.float8_e4m3fn
+        return {name: a.kv_scale for name, a in self.layers.items()} if fp8 else None
 
     @torch.no_grad()
     def profile_peak_memory(self) -> int:
@@ -173,17 +170,13 @@ class ModelRunner:
                 run_dummy_step(self)
             return ModelRunnerOutput({}, {})
         rows = step_rows(out)
-        if profile:  # every token's slot in block 0: the table only needs to be wide enough
-            table = build_block_table([[0] * (len(out.requests[0].token_ids) // self.block_size + 1)])
-        else:
-            table = self._block_table(out, rows.req_ids)
+        # profile: every token's slot in block 0, the table only needs to be wide enough
+        table = (build_block_table([[0] * (len(out.requests[0].token_ids) // self.block_size + 1)])
+                 if profile else self._block_table(out, rows.req_ids))
         inp = prepare_step(rows, table, self.layout, self.ps, self.pcp, self.device, self.backend)
         if inp.placeholder_rows is not None:
             self.fill_placeholders(rows.req_ids, inp)
-        if self.coordinated:
-            hidden = run_coordinated(self, rows, table, inp)
-        else:
-            hidden = self.run_model(inp)
+        hidden = run_coordinated(self, rows, table, inp) if self.coordinated else self.run_model(inp)
         if self.pcp is not None:
             hidden = self.pcp.restore_hidden_states(hidden, inp.num_local_tokens)
         return self.sampling.sample(out, hidden, inp)

@@ -51,11 +51,8 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)
         out = []
         for i, w in enumerate(wanted):
-            if w is None:
-                out.append(None)
-                continue
-            entry = {tokens[i]: logprobs[i, tokens[i]].item()}
-            if w > 0:
+            entry = None if w is None else {tokens[i]: logprobs[i, tokens[i]].item()}
+            if w:  # and the top w
                 top = logprobs[i].topk(w)
                 entry.update(zip(top.indices.tolist(), top.values.tolist()))
             out.append(entry)

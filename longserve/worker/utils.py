@@ -250,11 +250,8 @@ class MemorySnapshot:
             return cls(total=total, free=free)
         if not os.path.exists("/proc/meminfo"):
             raise RuntimeError("no /proc/meminfo to measure CPU memory; build MemorySnapshot(total, free)")
-        kib = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                kib[key] = int(value.split()[0])
+        with open("/proc/meminfo") as f:  # "MemTotal:  16318540 kB"
+            kib = {key: int(value.split()[0]) for key, value in (line.split(":", 1) for line in f)}
         return cls(total=kib["MemTotal"] << 10, free=kib.get("MemAvailable", kib["MemFree"]) << 10)
 
 

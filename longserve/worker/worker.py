@@ -82,8 +82,7 @@ class Worker:
             timeout = config.parallel.distributed_timeout_s
             where = dict(init_method=init_method)
             if init_method.startswith("tcp://"):  # spawned here; torchrun's env:// joins as is
-                # kept until close(): rank 0 hosts it, and the others may use it while the
-                # groups close
+                # kept until close(): rank 0 hosts it, the others may use it while groups close
                 self.store = rendezvous(init_method, rank, world, timeout, alive_check)
                 where = dict(store=self.store)
             dist.init_process_group("nccl" if config.device == "cuda" else "gloo", rank=rank,
@@ -111,11 +110,10 @@ class Worker:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             n = int(t.item())
         if n < 1:
-            per_block = self.runner.kv_bytes_per_block()
             raise ValueError(
-                f"the KV cache has room for no block (one block of block_size={cache.block_size} "
-                f"needs {per_block} bytes a rank); raise cpu_kv_cache_gb / gpu_memory_utilization "
-                "or lower block_size")
+                f"the KV cache has room for no block (one block of block_size={cache.block_size} needs "
+                f"{self.runner.kv_bytes_per_block()} bytes a rank); raise cpu_kv_cache_gb / "
+                "gpu_memory_utilization or lower block_size")
         self.timeline.mark("KV sizing")
         return n
 
