@@ -239,11 +239,11 @@ def compare_layouts(args) -> None:
     print(f"\n{args.tokens} tokens, chunk {args.chunk}, {args.model}, {torch.cuda.get_device_name()}\n")
     print("| layout | GPUs | TTFT (s) | efficiency | decode step (ms) | step / floor | kernels a layer "
           "| collectives a layer (us) |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
+    for r in rows:  # (kernels and collectives: "-" when --decode left fewer than 8 steps to profile)
         eff = f"{one / (r['gpus'] * r['ttft_s']):.2f}" if one else ""
+        per_layer = [f"{r[k]:.1f}" if k in r else "-" for k in ("kernels_per_layer", "collective_us_per_layer")]
         print(f"| {r['layout']} | {r['gpus']} | {r['ttft_s']:.2f} | {eff} | {r['step_ms']:.2f} | "
-              f"{r['step_ms'] / r['floor_ms']:.2f}x | {r.get('kernels_per_layer', float('nan')):.1f} | "
-              f"{r.get('collective_us_per_layer', float('nan')):.1f} |")
+              f"{r['step_ms'] / r['floor_ms']:.2f}x | {' | '.join(per_layer)} |")
 
 
 if __name__ == "__main__":
