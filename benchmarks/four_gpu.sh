@@ -58,6 +58,7 @@ case $part in
       # shellcheck disable=SC2086
       LONGSERVE_TRACE="$out/moe-$tag:70:3" python bench_dp.py --mode moe --num-layers 12 --input-len 256 \
         --output-len 64 --bw 4.8e12 --batches 512 $args > "$out/moe-profile-$tag.log" 2>&1
+      python trace_skew.py "$out/moe-$tag" >> "$out/moe-profile-$tag.log" 2>&1
       for f in "$out/moe-$tag"/rank*.json; do
         python trace_gaps.py "$f" > "${f%.json}.txt" 2>&1 && gzip -f "$f"
       done
@@ -69,6 +70,7 @@ case $part in
       # shellcheck disable=SC2086
       LONGSERVE_TRACE="$out/$tag:16:3" python bench_capacity.py --tokens 131072 --chunk 8192 --decode 4 \
         $layout > "$out/profile-$tag.log" 2>&1
+      python trace_skew.py "$out/$tag" >> "$out/profile-$tag.log" 2>&1
       for f in "$out/$tag"/rank*.json; do
         python trace_gaps.py "$f" > "${f%.json}.txt" 2>&1 && gzip -f "$f"
       done
