@@ -276,8 +276,11 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float, out=None):
     """Fused attention that also returns the LSE (the op `sdpa_choice` found), [S, H, D] layout;
     out: where the output goes (a view of the exchange's buffer, say)."""
     op, cudnn_gqa = sdpa_choice(q.device, q.dtype, q.shape[2]) if q.is_cuda else (None, False)
-    if out is not None and not (k.shape[0] and op and not causal and q.shape[1] > k.shape[1]):
-        o, lse = sdpa_with_lse(q, k, v, causal, scale)  # (only the GQA fold writes in place)
+    group = q.shape[1] // k.shape[1]
+    if k.shape[0] and op is not None and not causal and group > 1:  # GQA without copying K/V:
+        return _folded_gqa(q, k, v, scale, out)  # fold each group's heads into rows
+    if out is not None:  # (only the fold writes in place)
+        o, lse = sdpa_with_lse(q, k, v, causal, scale)
         return out.copy_(o), lse
     if k.shape[0] == 0 or op is None:  # (None: no fused op runs here)
         out, lse = reference_attention(q, k, v, causal, scale)
@@ -287,9 +290,6 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float, out=None):
         o1, l1 = sdpa_with_lse(q[:n], k, v, True, scale)
         o2, l2 = sdpa_with_lse(q[n:], k, v, False, scale)
         return torch.cat([o1, o2]), torch.cat([l1, l2])
-    group = q.shape[1] // k.shape[1]
-    if not causal and group > 1:  # GQA without copying K/V: fold each group's heads into rows
-        return _folded_gqa(q, k, v, scale, out)
     if group > 1 and cudnn_gqa:  # cuDNN takes the fewer K/V heads: no copy
         op = "cudnn"
     else:
