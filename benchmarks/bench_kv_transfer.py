@@ -95,6 +95,24 @@ def raw_side(rank, port, args, results):
     results.put((rank, times, nbytes))
 
 
+def d2d_copy_s(nbytes: int, repeat: int) -> float | None:
+    """The plain device-to-device copy of `nbytes` from GPU 0 to GPU 1 in one process (the
+    link's practical ceiling), seconds; None without two GPUs."""
+    if torch.cuda.device_count() < 2:
+        return None
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
+    dst = torch.empty_like(src, device="cuda:1")
+    dst.copy_(src)  # peer access and the copy engine's first use
+    for d in (0, 1):
+        torch.cuda.synchronize(d)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        dst.copy_(src)
+    for d in (0, 1):
+        torch.cuda.synchronize(d)
+    return (time.perf_counter() - t0) / repeat
+
+
 def run_raw(args):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -108,10 +126,14 @@ def run_raw(args):
     times = next(t for r, t, _ in out if r == 1)  # the consumer's view: until its blocks hold the KV
     nbytes = out[0][2]
     base = times["send/recv one tensor"]
+    copy = d2d_copy_s(nbytes, args.repeat) if args.device == "cuda" else None
+    if copy is not None:
+        times = {"plain device-to-device copy (one process)": copy, **times}
     print(f"{nbytes / (1 << 30):.2f} GiB of KV ({args.tokens} tokens, {args.layers} layers) on {args.device}")
-    print("| path | time (ms) | GB/s | of send/recv |\n| --- | --- | --- | --- |")
+    print("| path | time (ms) | GB/s | of send/recv | of the plain copy |\n| --- | --- | --- | --- | --- |")
     for name, t in times.items():
-        print(f"| {name} | {1000 * t:.1f} | {nbytes / t / 1e9:.1f} | {base / t:.0%} |")
+        of_copy = f"{copy / t:.0%}" if copy else "-"
+        print(f"| {name} | {1000 * t:.1f} | {nbytes / t / 1e9:.1f} | {base / t:.0%} | {of_copy} |")
     print(json.dumps({"bytes": nbytes, **{k: round(v, 5) for k, v in times.items()}}))
 
 
@@ -152,16 +174,21 @@ def producer_side(args, conn):
 
 
 def record_steps(engine) -> list:
-    """Wrap the executor: (start, end) of every step that ran a non-empty plan."""
-    steps, execute = [], engine.executor.execute
+    """Wrap the executor: (start, end) of every step that ran a non-empty plan (launch to result)."""
+    steps, launch = [], engine.executor.execute_async
 
     def timed(out):
-        t0 = time.perf_counter()
-        result = execute(out)
+        t0, pending = time.perf_counter(), launch(out)
         if not out.is_empty:
-            steps.append((t0, time.perf_counter()))
-        return result
-    engine.executor.execute = timed
+            result = pending.result
+
+            def timed_result():
+                r = result()
+                steps.append((t0, time.perf_counter()))
+                return r
+            pending.result = timed_result
+        return pending
+    engine.executor.execute_async = timed
     return steps
 
 
@@ -173,9 +200,10 @@ def handover_parts(out, timing: dict, steps: list) -> dict:
     ttft = out.metrics["time_to_first_token"]
     arrival = first[1] - ttft  # the first token is stamped as that step returns
     load = timing["end"] - timing["start"]
+    control = timing["post_s"] + timing["status_s"]
     parts = dict(before_load=timing["start"] - arrival, group_setup=timing["setup_s"],
-                 control=timing["control_s"], pull=timing["pull_s"],
-                 load_other=load - timing["setup_s"] - timing["control_s"] - timing["pull_s"],
+                 post=timing["post_s"], status=timing["status_s"], pull=timing["pull_s"],
+                 load_other=load - timing["setup_s"] - control - timing["pull_s"],
                  notice=first[0] - timing["end"], first_step=first[1] - first[0])
     return dict(parts, to_first_step=ttft - parts["first_step"], handover=ttft)
 

@@ -9,16 +9,22 @@ import time
 from longserve import LLM, SamplingParams
 
 MODEL = "builtin:llama-tiny"
+# LONGSERVE_TEST_PD_DEVICE=cuda runs these on GPUs over NCCL pair groups (float32): a producer
+# process on LONGSERVE_TEST_PRODUCER_GPUS, the test's own engines on CUDA_VISIBLE_DEVICES
+DEVICE = os.environ.get("LONGSERVE_TEST_PD_DEVICE", "cpu")
+ENGINE = dict(device=DEVICE, dtype="float32", max_model_len=256)
 
 
 def greedy(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _producer_main(conn, kw):
+def _producer_main(conn, kw, gpus):
+    if gpus is not None:  # before the first CUDA call
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     import torch
     torch.set_num_threads(1)
-    llm = LLM(MODEL, device="cpu", max_model_len=256, **kw)
+    llm = LLM(MODEL, **ENGINE, **kw)
     conn.send(("ready", os.getpid()))
     try:
         while True:
@@ -49,9 +55,13 @@ def _handle(llm, cmd, arg):
 
 
 class Producer:
-    def __init__(self, timeout=120, **kw):
+    """An engine in a child process (a producer by default: on the producer GPUs under cuda;
+    `beside_test=True` puts it on the test's own GPUs, as a second consumer)."""
+    def __init__(self, timeout=120, beside_test=False, **kw):
         self.conn, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_producer_main, args=(child, kw))  # not a daemon: it spawns its own workers
+        env = "CUDA_VISIBLE_DEVICES" if beside_test else "LONGSERVE_TEST_PRODUCER_GPUS"
+        gpus = os.environ.get(env) if DEVICE == "cuda" else None
+        self.proc = mp.get_context("spawn").Process(target=_producer_main, args=(child, kw, gpus))  # not a daemon: it spawns its own workers
         self.proc.start()
         self.timeout = timeout
         tag, self.pid = self._recv()

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from longserve import LLM, SamplingParams
-from pd_utils import MODEL, Producer, greedy
+from pd_utils import ENGINE, MODEL, Producer, greedy
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3) % 400 + 5 for i in range(37)]},
            {"prompt_token_ids": [(11 * i + 1) % 400 + 5 for i in range(70)]}]
@@ -15,7 +15,7 @@ N = 6
 
 @pytest.fixture(scope="module")
 def reference():
-    with LLM(MODEL, device="cpu", max_model_len=256) as llm:
+    with LLM(MODEL, **ENGINE) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(N), use_tqdm=False)]
 
 
@@ -37,7 +37,7 @@ def wait_pool_whole(prod, within_s):
 def consumer(**kw):
     kvt = {"kv_role": "kv_consumer", "kv_transfer_timeout_s": 5}
     kvt.update(kw.pop("kvt", {}))
-    return LLM(MODEL, device="cpu", max_model_len=256, kv_transfer_config=kvt, **kw)
+    return LLM(MODEL, **ENGINE, kv_transfer_config=kvt, **kw)
 
 
 LAYOUTS = {
@@ -97,7 +97,7 @@ def test_pull_right_after_prefill_with_an_empty_shard(pool_whole):
     """The consumer pulls at once (maybe before the producer's workers hear of the hold) one
     token that only one of its two DCP shards stores: the other rank moves nothing."""
     prompt = {"prompt_token_ids": PROMPTS[1]["prompt_token_ids"][:34]}
-    with LLM(MODEL, device="cpu", max_model_len=256) as ref:
+    with LLM(MODEL, **ENGINE) as ref:
         want = ref.generate([prompt], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60})
     try:
@@ -161,7 +161,7 @@ def test_bad_params_are_refused_at_the_door(pool_whole):
             with pytest.raises(ValueError, match="lacks"):
                 cons.generate([PROMPTS[0]], with_params({"do_remote_prefill": True}), use_tqdm=False)
             pool_whole(cons)
-        with LLM(MODEL, device="cpu", max_model_len=256) as plain:
+        with LLM(MODEL, **ENGINE) as plain:
             with pytest.raises(ValueError, match="kv_role"):
                 plain.generate([PROMPTS[0]], with_params(p), use_tqdm=False)
     finally:
@@ -217,6 +217,32 @@ def test_producer_dies_or_connection_drops_during_transfer(fault, reference, poo
 
 
 @pytest.mark.timeout(180)
+def test_consumer_stalls_mid_pull(reference, pool_whole, monkeypatch):
+    """A consumer that stalls in the middle of a pull (4 s, past the 3 s lease): the producer
+    gives up its send at the lease and frees the blocks, the consumer's pull times out and
+    it recomputes; the same pair then serves the next request's pull."""
+    prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 3})
+    try:
+        p = prod.call("prefill", PROMPTS[1])
+        monkeypatch.setenv("LONGSERVE_TEST_KV_FAULT", "consumer_stall")  # read in the pull
+        with consumer(kvt={"kv_transfer_timeout_s": 3}) as cons:
+            out = cons.generate([PROMPTS[1]], with_params(p), use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == reference[1]  # recomputed, never partial KV
+            assert cons.engine.core_stats()["num_prompt_tokens_computed"] == 70
+            wait_pool_whole(prod, 3)
+            monkeypatch.delenv("LONGSERVE_TEST_KV_FAULT")
+            p = prod.call("prefill", PROMPTS[0])
+            out = cons.generate([PROMPTS[0]], with_params(p), use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == reference[0]
+            assert cons.engine.core_stats()["num_prompt_tokens_computed"] == 70 + 1  # pulled
+            pool_whole(cons)
+        wait_pool_whole(prod, 5)
+    finally:
+        prod.close()
+    assert not prod.proc.is_alive()
+
+
+@pytest.mark.timeout(180)
 def test_consumer_aborts_while_loading(pool_whole):
     """An abort during the load keeps the consumer's blocks until the load reports back,
     then frees them; the producer is released."""
@@ -249,7 +275,8 @@ def test_consumer_dies_during_pull_producer_frees_by_the_lease(monkeypatch):
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": lease,
                                         "kv_transfer_timeout_s": 60})
     monkeypatch.setenv("LONGSERVE_TEST_KV_FAULT", "consumer_die")  # the consumer inherits it
-    cons = Producer(kv_transfer_config={"kv_role": "kv_consumer", "kv_transfer_timeout_s": 60})
+    cons = Producer(kv_transfer_config={"kv_role": "kv_consumer", "kv_transfer_timeout_s": 60},
+                    beside_test=True)
     monkeypatch.delenv("LONGSERVE_TEST_KV_FAULT")
     try:
         p = prod.call("prefill", PROMPTS[1])

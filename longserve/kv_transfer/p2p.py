@@ -436,7 +436,7 @@ class P2pConnectorWorker:
     def _pull(self, store, p: dict, remote_rank: int, pair: str, pieces: list, remote: KVLayout,
               rng: PieceRange, times: dict) -> bool:
         """Whether the producer still held the request (then its pieces are in place); adds to `times`
-        the seconds in group set-up, control and payloads."""
+        the seconds in group set-up, control (post, status) and payloads."""
         chunk = max(1, len(self.caches) // 4)
         t0 = time.perf_counter()
         post_pull(store, p["remote_engine_id"], remote_rank, dict(
@@ -456,7 +456,8 @@ class P2pConnectorWorker:
         if held:
             self._recv_pieces(group, pieces, remote, rng, chunk)
         times["setup_s"] += t2 - t1
-        times["control_s"] += (t1 - t0) + (t3 - t2)
+        times["post_s"] += t1 - t0  # the pull message's store round trip
+        times["status_s"] += t3 - t2  # the producer taking it up and its status word
         times["pull_s"] += time.perf_counter() - t3
         return held
 
@@ -472,8 +473,9 @@ class P2pConnectorWorker:
         def consume(i, buf):
             piece, layers = parts[i]
             unpack_piece(self.caches[layers], piece, remote, self.layout, rng, buf)
-            if os.environ.get("LONGSERVE_TEST_KV_FAULT") == "consumer_die":
-                os._exit(9)  # test hook: the consumer dies in the middle of a pull
+            _consumer_fault("consumer_die")
+
+        _consumer_fault("consumer_stall")
         self.groups.recv_all(group, [buffer(*part) for part in parts], consume, first_tag=1)
         if self.device.type == "cuda":  # the pull's time is until the KV is in place
             torch.cuda.synchronize(self.device)
@@ -481,13 +483,24 @@ class P2pConnectorWorker:
 
 def _inject_fault(groups: PairGroups, pair: str) -> None:
     """Test hook (LONGSERVE_TEST_KV_FAULT): after the first payload, the producer dies ("die")
-    or closes the pair's connection ("drop"); see _recv_pieces for "consumer_die"."""
+    or closes the pair's connection ("drop"); the consumer's: _consumer_fault."""
     fault = os.environ.get("LONGSERVE_TEST_KV_FAULT")
     if fault == "die":
         os._exit(9)
     if fault == "drop":
         groups.drop(pair)
         raise ConnectionError("test: the pair's connection was dropped")
+
+
+def _consumer_fault(fault: str) -> None:
+    """Test hook (LONGSERVE_TEST_KV_FAULT): the consumer dies after its first payload
+    ("consumer_die"), or stalls for 4 s before it takes any ("consumer_stall": longer than
+    the tests' lease)."""
+    if os.environ.get("LONGSERVE_TEST_KV_FAULT") != fault:
+        return
+    if fault == "consumer_die":
+        os._exit(9)
+    time.sleep(4.0)
 
 
 def _is_empty(piece, sender: KVLayout, receiver: KVLayout, rng: PieceRange) -> bool:

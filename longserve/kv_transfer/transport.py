@@ -79,8 +79,12 @@ class PairGroups:
                 group.abort()
 
     def drop(self, key: str) -> None:
+        """Forget a failed pair's group; NCCL's is aborted: a send or receive the other side
+        never matched would otherwise stay posted on the device for good."""
         with self._lock:
-            self.groups.pop(key, None)
+            group = self.groups.pop(key, None)
+        if group is not None and self.device.type == "cuda":
+            group.abort()
 
     def send_all(self, group, payloads, first_tag: int = 0, deadline: float | None = None) -> None:
         """Send the payloads (made when asked: i+1 is packed while i is on the wire) with tags first_tag,
