@@ -27,6 +27,7 @@ CPU check: --device cpu --tokens 512 --layers 2 (raw) / --model builtin:llama-ti
 (engine, itl; itl also --decodes 4 --decode-tokens 40 --long-prompts 2 --interval 10).
 """
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -162,15 +163,32 @@ def producer_side(args, conn):
     llm, prompts = engine_llm("kv_producer", args, "0")
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"][:64]}], one, use_tqdm=False)
+    prof = None
     while True:
         if conn.poll(0.05):
             msg = conn.recv()
+            if prof is not None:  # the previous request's pull is over
+                prof.stop()
+                prof.export_chrome_trace(os.path.join(args.profile, "producer.json"))
+                prof = None
             if msg == "stop":
                 break
             t0 = time.perf_counter()
             out = llm.generate([prompts[msg]], one, use_tqdm=False)[0]
+            if args.profile and msg == 1:
+                prof = profiler()
+                prof.start()
             conn.send((out.kv_transfer_params, time.perf_counter() - t0))
     llm.shutdown()
+
+
+def profiler():
+    """--profile: the second request's handover, every thread's ops and the device's kernels."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+    cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    return profile(activities=[ProfilerActivity.CPU, *cuda], with_stack=False,
+                   experimental_config=_ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True))
 
 
 def record_steps(engine) -> list:
@@ -220,8 +238,12 @@ def consumer_side(args, conn):
         conn.send(i)
         params = conn.recv()
         created = worker.groups.num_created
-        out = llm.generate([prompts[i]], SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": params},
-                                                        **greedy), use_tqdm=False)[0]
+        prof = profiler() if args.profile and i == 1 else contextlib.nullcontext()
+        with prof:
+            out = llm.generate([prompts[i]], SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": params},
+                                                            **greedy), use_tqdm=False)[0]
+        if args.profile and i == 1:
+            prof.export_chrome_trace(os.path.join(args.profile, "consumer.json"))
         assert out.error is None and len(out.outputs[0].token_ids) == 2, out
         timing = worker.timings[out.request_id]
         assert timing["ok"], "the pull failed (the prompt was recomputed): see the log"
@@ -408,6 +430,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["raw", "engine", "itl"], default="raw")
     ap.add_argument("--requests", type=int, default=2, help="engine: requests on the same pair, one after another")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="engine: a torch profiler trace of the second request's handover on each side (DIR/consumer.json, DIR/producer.json)")
     ap.add_argument("--connect-eagerly", action="store_true",
                     help="engine: the consumer builds its pair groups at start (kv_connect)")
     ap.add_argument("--itl-mode", default="both", choices=["both", "colocated", "disaggregated"],

@@ -2,6 +2,7 @@
 disaggregation tests)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -19,9 +20,7 @@ def greedy(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _producer_main(conn, kw, gpus):
-    if gpus is not None:  # before the first CUDA call
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+def _producer_main(conn, kw):
     import torch
     torch.set_num_threads(1)
     llm = LLM(MODEL, **ENGINE, **kw)
@@ -54,15 +53,30 @@ def _handle(llm, cmd, arg):
     raise ValueError(cmd)
 
 
+@contextlib.contextmanager
+def _environ(**values):
+    """os.environ with `values` set (None: unchanged) for the block."""
+    old = {k: os.environ.get(k) for k, v in values.items() if v is not None}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Producer:
     """An engine in a child process (a producer by default: on the producer GPUs under cuda;
     `beside_test=True` puts it on the test's own GPUs, as a second consumer)."""
     def __init__(self, timeout=120, beside_test=False, **kw):
         self.conn, child = mp.Pipe()
-        env = "CUDA_VISIBLE_DEVICES" if beside_test else "LONGSERVE_TEST_PRODUCER_GPUS"
-        gpus = os.environ.get(env) if DEVICE == "cuda" else None
-        self.proc = mp.get_context("spawn").Process(target=_producer_main, args=(child, kw, gpus))  # not a daemon: it spawns its own workers
-        self.proc.start()
+        self.proc = mp.get_context("spawn").Process(target=_producer_main, args=(child, kw))  # not a daemon: it spawns its own workers
+        gpus = os.environ.get("LONGSERVE_TEST_PRODUCER_GPUS")
+        with _environ(CUDA_VISIBLE_DEVICES=gpus if DEVICE == "cuda" and not beside_test else None):
+            self.proc.start()  # the child inherits the environment as it is now
         self.timeout = timeout
         tag, self.pid = self._recv()
         assert tag == "ready"
