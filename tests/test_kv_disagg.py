@@ -6,7 +6,7 @@ import time
 import pytest
 
 from longserve import LLM, SamplingParams
-from pd_utils import ENGINE, MODEL, Producer, greedy
+from pd_utils import DEVICE, ENGINE, MODEL, Producer, greedy
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3) % 400 + 5 for i in range(37)]},
            {"prompt_token_ids": [(11 * i + 1) % 400 + 5 for i in range(70)]}]
@@ -51,6 +51,8 @@ LAYOUTS = {
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_layouts_give_one_instance_tokens(case, reference, pool_whole):
+    if DEVICE == "cuda" and case.startswith("bs8"):
+        pytest.skip("the GPU attention kernels take blocks of 16 tokens or more")
     p_kw, c_kw = (dict(d) for d in LAYOUTS[case])
     kvt = {"kv_role": "kv_producer", "kv_lease_s": 60, **p_kw.pop("kvt", {})}
     prod = Producer(kv_transfer_config=kvt, **p_kw)

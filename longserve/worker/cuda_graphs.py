@@ -48,7 +48,8 @@ class DecodeGraphs:
             self.model(*args)  # warm up (Triton compile, cuBLAS handles) outside the capture
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: a KV connector's thread may build an NCCL pair group meanwhile
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 hidden = self.model(*args)
             self.graphs[bs] = (graph, hidden, meta)
         torch.cuda.synchronize(dev)

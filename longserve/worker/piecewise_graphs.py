@@ -145,7 +145,7 @@ class PiecewiseGraphs:
             self.graphs[b] = []
             for i in range(self.num_layers + 1):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self.segment(i, b)
                 self.graphs[b].append(graph)
         torch.cuda.synchronize()
