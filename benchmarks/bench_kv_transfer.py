@@ -40,6 +40,7 @@ os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")  # step timings r
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from longserve.kv_transfer.p2p import as_words
 from longserve.kv_transfer.topology import KVLayout, plan_kv_pieces
 from longserve.kv_transfer.transfer import PieceRange, pack_piece, payload_shape, unpack_piece
 from longserve.kv_transfer.transport import PairGroups, make_pair_group
@@ -61,12 +62,12 @@ def raw_side(rank, port, args, results):
     torch.manual_seed(0)
     blocks = torch.randperm(nb + 8)[:nb].tolist()
     shape = (2, nb + 8, args.block_size, args.kv_heads, args.head_dim)
-    caches = [torch.randn(shape, device=dev, dtype=torch.bfloat16) if rank == 0 else
-              torch.zeros(shape, device=dev, dtype=torch.bfloat16) for _ in range(args.layers)]
+    caches = [as_words(torch.randn(shape, device=dev, dtype=torch.bfloat16) if rank == 0 else
+                       torch.zeros(shape, device=dev, dtype=torch.bfloat16)) for _ in range(args.layers)]  # as the connector
     piece = plan_kv_pieces(layout, layout, 0)[0]
     rng = PieceRange(0, args.tokens, tuple(blocks), tuple(blocks))
     chunks = [slice(i, min(i + args.layers_per_chunk, args.layers)) for i in range(0, args.layers, args.layers_per_chunk)]
-    nbytes = sum(c[:, :nb].numel() * 2 for c in caches)
+    nbytes = sum(c[:, :nb].numel() * c.element_size() for c in caches)
     flat = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
 
     def baseline():
@@ -79,8 +80,8 @@ def raw_side(rank, port, args, results):
             pairs.send_all(group, (pack_piece(caches[c], piece, layout, layout, rng) for c in chunks))
             return
         def buffer(c):
-            shape = payload_shape(piece, layout, layout, rng, c.stop - c.start, args.head_dim)
-            return lambda: torch.empty(shape, dtype=torch.bfloat16, device=dev)
+            shape = payload_shape(piece, layout, layout, rng, c.stop - c.start, caches[0].shape[-1])
+            return lambda: torch.empty(shape, dtype=caches[0].dtype, device=dev)
         pairs.recv_all(group, [buffer(c) for c in chunks],
                        lambda i, buf: unpack_piece(caches[chunks[i]], piece, layout, layout, rng, buf))
 
