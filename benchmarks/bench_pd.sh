@@ -6,13 +6,15 @@
 #   benchmarks/bench_pd.sh LAYOUT OUT.json [bench_serving.py flags, e.g. --rates 2,4]
 # LAYOUT, four GPUs: pd-pcp2-tp2 (producer pcp=2 on GPUs 0-1, consumer tp=2 on 2-3), pd-tp2-tp2,
 # tp4, dp2-tp2; two GPUs: pd-tp1-tp1 (producer on GPU 0, consumer on 1), tp2, dp2.
-# MODEL (default builtin:llama3-8b-shape) and ENGINE (flags for every server) from the environment.
+# MODEL (default builtin:llama3-8b-shape), ENGINE (flags for every server) and PRODUCER (flags for
+# a P/D producer only, e.g. "--long-prefill-token-threshold 2048") from the environment.
 # The servers' logs go to OUT.log; a consumer's failed pulls show there as "loading the KV".
 set -euo pipefail
 layout=$1 out=$2
 shift 2
 MODEL=${MODEL:-builtin:llama3-8b-shape}
 read -ra engine <<< "${ENGINE:---load-format dummy --max-model-len 33024}"
+read -ra producer_flags <<< "${PRODUCER:-}"
 export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"  # this checkout
 longserve=(python -m longserve.entrypoints.cli)
 serve=("${longserve[@]}" serve "$MODEL" "${engine[@]}" --uvicorn-log-level warning)
@@ -21,7 +23,7 @@ trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT
 exec 3>"${out%.json}.log"
 prefill=()
 pd() {  # producer GPUs and layout, consumer GPUs and layout
-  CUDA_VISIBLE_DEVICES=$1 "${serve[@]}" $2 --port 8100 --kv-transfer-config "$producer" >&3 2>&1 &
+  CUDA_VISIBLE_DEVICES=$1 "${serve[@]}" $2 "${producer_flags[@]}" --port 8100 --kv-transfer-config "$producer" >&3 2>&1 &
   CUDA_VISIBLE_DEVICES=$3 "${serve[@]}" $4 --port 8200 --kv-transfer-config consumer >&3 2>&1 &
   prefill=(--prefill http://127.0.0.1:8100)
 }

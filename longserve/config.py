@@ -245,6 +245,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    # a prompt's chunk takes at most this many tokens of a step (0: no cap), so the prompts
+    # behind a long one start in the same step instead of after its whole prefill
+    long_prefill_token_threshold: int = 0
     # plan step N+1 while the device runs step N (llm.py decides where it is supported)
     async_scheduling: bool = False
 

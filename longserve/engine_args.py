@@ -88,6 +88,8 @@ class EngineArgs:
     kv_cache_dtype: str = arg("auto", choices=tuple(KV_CACHE_DTYPES), help="auto (the model's dtype) or fp8")
     enable_prefix_caching: bool = arg(True)
     enable_chunked_prefill: bool = arg(True)
+    long_prefill_token_threshold: int = arg(0, integer(0), help="most tokens of one prompt in a step, "
+                                            "leaving the rest to the prompts behind it (0: no cap)")
     enforce_eager: bool = arg(False, help="no CUDA graphs")
     async_scheduling: bool | None = arg(
         None, (lambda v: v is None or isinstance(v, bool), "True, False or None"),

@@ -35,6 +35,8 @@ FROM_CLI = {
     "enable_prefix_caching": (["--no-enable-prefix-caching"], lambda c: not c.cache.enable_prefix_caching),
     "enable_chunked_prefill": (["--no-enable-chunked-prefill"],
                                lambda c: not c.scheduler.enable_chunked_prefill),
+    "long_prefill_token_threshold": (["--long-prefill-token-threshold", "2048"],
+                                     lambda c: c.scheduler.long_prefill_token_threshold == 2048),
     "enforce_eager": (["--enforce-eager"], lambda c: c.enforce_eager),
     "async_scheduling": (["--no-async-scheduling"], lambda c: not c.scheduler.async_scheduling),
     "seed": (["--seed", "7"], lambda c: c.seed == 7),

@@ -3,8 +3,8 @@
 A hypothesis state machine drives Scheduler + KVCacheManager directly with fake workers
 (which sample a fixed token and keep a fake KV cache: each slot holds the token written to
 it). Rules: arrivals (with shared prompt prefixes, and sometimes past the door rule),
-steps, aborts; pool size, block size, budget, max_num_seqs, chunked prefill and prefix
-caching are drawn per run. After every rule: no leak, no double free, reference counts
+steps, aborts; pool size, block size, budget, max_num_seqs, chunked prefill, the long-prefill
+cap and prefix caching are drawn per run. After every rule: no leak, no double free, reference counts
 equal the requests' block lists, free queue and cached map consistent, the workers' block
 lists equal the scheduler's, and every prefix-cache hit holds the request's tokens. At the
 end, with arrivals stopped, everything finishes within a bound on the steps.
@@ -81,13 +81,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(2, 24), tpb=st.sampled_from([1, 2, 4]),
                 max_num_seqs=st.integers(1, 6), budget=st.integers(1, 48),
                 max_model_len=st.integers(6, 40), chunked=st.booleans(), caching=st.booleans(),
-                asynchronous=st.booleans())
+                asynchronous=st.booleans(), cap=st.sampled_from([0, 1, 3, 8]))
     def setup(self, num_blocks, tpb, max_num_seqs, budget, max_model_len, chunked, caching,
-              asynchronous):
+              asynchronous, cap):
         if not chunked:
             budget = max(budget, max_model_len)
         self.kv = KVCacheManager(num_blocks, tpb, caching)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked), self.kv)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked,
+                                               long_prefill_token_threshold=cap), self.kv)
         self.workers = FakeWorkers(tpb)
         self.all: dict[str, Request] = {}  # every request ever queued
         self.bypassed: set[str] = set()  # queued without the door rule
@@ -187,6 +188,26 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerLiveness = SchedulerMachine.TestCase
 TestSchedulerLiveness.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_long_prefill_cap_lets_the_prompts_behind_start():
+    """A long prompt takes at most the cap of a step; a short one behind it starts in the same
+    step (without the cap it waits for the long prefill's every chunk)."""
+    for cap, short_starts in ((0, 3), (8, 1)):
+        kv = KVCacheManager(64, 4)
+        sched = Scheduler(SchedulerConfig(4, 16, 64, long_prefill_token_threshold=cap), kv)
+        long, short = (Request(r, list(range(1, n + 1)), SamplingParams(max_tokens=2, ignore_eos=True))
+                       for r, n in (("long", 40), ("short", 5)))
+        sched.add_request(long)
+        sched.add_request(short)
+        workers, first = FakeWorkers(4), None
+        for step in range(1, 8):
+            out = sched.schedule()
+            chunks = {sr.req_id: len(sr.token_ids) for sr in out.all_requests()}
+            assert chunks.get("long", 0) <= (cap or 16)
+            first = first or (step if "short" in chunks else None)
+            sched.update_from_output(out, workers.execute(out, {"long": long, "short": short}))
+        assert first == short_starts
 
 
 def test_request_that_outgrows_the_pool_is_refused_at_the_door():

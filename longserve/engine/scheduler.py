@@ -109,7 +109,8 @@ class Scheduler:
         remaining = total - req.num_computed_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
-        return min(remaining, budget)
+        cap = self.config.long_prefill_token_threshold if self.config.enable_chunked_prefill else 0
+        return min(remaining, budget, cap or budget)
 
     def _schedule_running(self, plan: list, budget: int) -> int:
         i, running = 0, self.running
