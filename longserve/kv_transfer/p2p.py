@@ -254,7 +254,10 @@ class P2pConnectorWorker:
             self.hold_added.notify_all()
         for spec in meta.loads:  # the blocks the pull does not fill whole (new blocks are zeros)
             self._zero_blocks(spec.block_ids[spec.end // self.layout.tokens_per_block:])
-            threading.Thread(target=self._load, args=(spec,), daemon=True).start()
+            zeroed = torch.cuda.Event() if self.device.type == "cuda" else None
+            if zeroed is not None:
+                zeroed.record()  # on the step's stream: the pull's writes come after
+            threading.Thread(target=self._load, args=(spec, zeroed), daemon=True).start()
 
     def wait_for_save(self) -> None:
         pass  # a producer's blocks are read on demand, while the scheduler holds them
@@ -293,9 +296,23 @@ class P2pConnectorWorker:
         except Exception:  # noqa: BLE001 - our own store is gone: the engine is shutting down
             return True
 
+    @contextlib.contextmanager
+    def _side_stream(self):
+        """This thread's CUDA work (NCCL calls, packing, unpacking) on a stream of its own (None on
+        CPU): on the steps' stream a pull queued behind a whole step, and the steps behind it."""
+        if self.device.type != "cuda":
+            yield None
+            return
+        torch.cuda.set_device(self.device)  # this thread's allocations and NCCL calls
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            yield stream
+
     def _serve_loop(self, queue_store, store) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # this thread's NCCL calls and allocations
+        with self._side_stream():
+            self._serve_messages(queue_store, store)
+
+    def _serve_messages(self, queue_store, store) -> None:
         while not self.stopping.is_set():
             try:
                 msg = next_message(queue_store, self.kvt.engine_id, self.rank)
@@ -361,18 +378,19 @@ class P2pConnectorWorker:
         for c in self.caches:
             c.view(2, -1, self.layout.block_size, *c.shape[-2:]).index_fill_(1, idx, 0)
 
-    def _load(self, spec: LoadSpec) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # this thread's allocations and NCCL calls
+    def _load(self, spec: LoadSpec, zeroed) -> None:
         t0, times = time.perf_counter(), defaultdict(float)
         ok = False
-        try:
-            self._pull_all(spec, times)
-            ok = True
-        except Exception as e:  # noqa: BLE001 - any failure: the request is recomputed
-            log.warning("loading the KV of request %s failed: %s", spec.req_id, e)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with self._side_stream() as stream:
+            if zeroed is not None:
+                stream.wait_event(zeroed)
+            try:
+                self._pull_all(spec, times)
+                ok = True
+            except Exception as e:  # noqa: BLE001 - any failure: the request is recomputed
+                log.warning("loading the KV of request %s failed: %s", spec.req_id, e)
+            if stream is not None:
+                stream.synchronize()
         with self.lock:
             self.timings[spec.req_id] = dict(times, start=t0, end=time.perf_counter(), ok=ok)
             if len(self.timings) > 1000:
