@@ -1,0 +1,37 @@
+"""One figure from `bench_pd.sh` runs of several layouts (the same --rates each): per class (long,
+short) TTFT p50 / p99 and ITL p50 / p99 against the request rate, one line per layout.
+
+  python benchmarks/plot_pd.py OUT.png LABEL=pd_tp2.json LABEL=pd_dp2.json (the last "=" splits) ...
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PANELS = [("long", "ttft"), ("short", "ttft"), ("short", "itl")]
+
+
+def main(out: str, runs: list[str]) -> None:
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    for i, run in enumerate(runs):
+        label, path = run.rsplit("=", 1)
+        rates = json.load(open(path))["rates"]
+        x = [r["rate"] for r in rates]
+        for ax, (cls, metric) in zip(axes, PANELS):
+            for q, style in (("p50", "-o"), ("p99", "--x")):
+                y = [r["classes"][cls][f"{metric}_{q}_ms"] for r in rates]
+                ax.plot(x, y, style, color=f"C{i}", label=f"{label} {q}")
+    for ax, (cls, metric) in zip(axes, PANELS):
+        ax.set(title=f"{cls} requests: {metric.upper()}", xlabel="request rate (req/s)", ylabel="ms")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
