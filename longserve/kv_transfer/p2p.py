@@ -516,7 +516,8 @@ def as_words(cache: torch.Tensor) -> torch.Tensor:
     and travels alike (float8 has no gloo type), and the index kernels move 8 bytes an
     element, not 1 (as bytes they ran at ~230 GB/s on an H200)."""
     raw = cache.view(torch.uint8)
-    size = next(n for n in (8, 4, 2, 1) if raw.shape[-1] % n == 0 and raw.data_ptr() % n == 0)
+    size = next(n for n in (8, 4, 2, 1) if raw.data_ptr() % n == 0
+                and all(d % n == 0 for d in (raw.shape[-1], *raw.stride()[:-1])))
     return raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size])
 
 
