@@ -10,7 +10,8 @@ contiguous tensor of the same bytes over the same group (target >= 70%).
 prefills the prompt (one token) and holds its blocks; the consumer pulls them and decodes.
 Handover = consumer's time to first token, split into: before the load starts, the pair
 group's set-up (first request only: built once per rank pair, then reused), control round
-trips, the pull itself, the rest of the load, the engine noticing it (together:
+trips, the pull (until its last payload arrived), the rest of the load (the last unpack),
+the engine noticing it (together:
 to_first_step), and the first step (the last prompt token's forward).
 --requests N pulls N prompts one after another over the same pair (target: handover <= 2x
 the pull); --connect-eagerly: the consumer builds the pair groups at its start (kv_connect).

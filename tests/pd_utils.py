@@ -2,10 +2,10 @@
 disaggregation tests)."""
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import time
+from unittest import mock
 
 from longserve import LLM, SamplingParams
 
@@ -53,21 +53,6 @@ def _handle(llm, cmd, arg):
     raise ValueError(cmd)
 
 
-@contextlib.contextmanager
-def _environ(**values):
-    """os.environ with `values` set (None: unchanged) for the block."""
-    old = {k: os.environ.get(k) for k, v in values.items() if v is not None}
-    os.environ.update({k: v for k, v in values.items() if v is not None})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class Producer:
     """An engine in a child process (a producer by default: on the producer GPUs under cuda;
     `beside_test=True` puts it on the test's own GPUs, as a second consumer)."""
@@ -75,7 +60,8 @@ class Producer:
         self.conn, child = mp.Pipe()
         self.proc = mp.get_context("spawn").Process(target=_producer_main, args=(child, kw))  # not a daemon: it spawns its own workers
         gpus = os.environ.get("LONGSERVE_TEST_PRODUCER_GPUS")
-        with _environ(CUDA_VISIBLE_DEVICES=gpus if DEVICE == "cuda" and not beside_test else None):
+        env = {"CUDA_VISIBLE_DEVICES": gpus} if DEVICE == "cuda" and not beside_test else {}
+        with mock.patch.dict(os.environ, env):
             self.proc.start()  # the child inherits the environment as it is now
         self.timeout = timeout
         tag, self.pid = self._recv()

@@ -368,7 +368,7 @@ class P2pConnectorWorker:
         for i, (piece, layers) in enumerate((p, c) for p in pieces for c in chunks):
             yield pack_piece(self.caches[layers], piece, self.layout, receiver, rng)
             if i == 0:
-                _inject_fault(self.groups, msg["pair"])
+                _test_fault("die", "drop", groups=self.groups, pair=msg["pair"])
 
     # ---- consumer ------------------------------------------------------------------------
     def _zero_blocks(self, block_ids: list[int]) -> None:  # all-zero bits = 0.0
@@ -492,23 +492,11 @@ class P2pConnectorWorker:
         def consume(i, buf):
             piece, layers = parts[i]
             unpack_piece(self.caches[layers], piece, remote, self.layout, rng, buf)
-            _consumer_fault("consumer_die")
+            _test_fault("consumer_die")
 
-        _consumer_fault("consumer_stall")
+        _test_fault("consumer_stall")
+        # (the last unpack may still run on this thread's stream: _load waits for it)
         self.groups.recv_all(group, [buffer(*part) for part in parts], consume, first_tag=1)
-        if self.device.type == "cuda":  # the pull's time is until the KV is in place
-            torch.cuda.synchronize(self.device)
-
-
-def _inject_fault(groups: PairGroups, pair: str) -> None:
-    """Test hook (LONGSERVE_TEST_KV_FAULT): after the first payload, the producer dies ("die")
-    or closes the pair's connection ("drop"); the consumer's: _consumer_fault."""
-    fault = os.environ.get("LONGSERVE_TEST_KV_FAULT")
-    if fault == "die":
-        os._exit(9)
-    if fault == "drop":
-        groups.drop(pair)
-        raise ConnectionError("test: the pair's connection was dropped")
 
 
 def as_words(cache: torch.Tensor) -> torch.Tensor:
@@ -521,15 +509,21 @@ def as_words(cache: torch.Tensor) -> torch.Tensor:
     return raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size])
 
 
-def _consumer_fault(fault: str) -> None:
-    """Test hook (LONGSERVE_TEST_KV_FAULT): the consumer dies after its first payload
-    ("consumer_die"), or stalls for 4 s before it takes any ("consumer_stall": longer than
-    the tests' lease)."""
-    if os.environ.get("LONGSERVE_TEST_KV_FAULT") != fault:
+def _test_fault(*here: str, groups: PairGroups | None = None, pair: str = "") -> None:
+    """Test hook (LONGSERVE_TEST_KV_FAULT), at a point of a pull that names the faults it takes:
+    after the producer's first payload "die" (its process ends) or "drop" (it closes the pair's
+    connection); after the consumer's first "consumer_die"; before the consumer takes any
+    "consumer_stall" (4 s, longer than the tests' lease)."""
+    fault = os.environ.get("LONGSERVE_TEST_KV_FAULT")
+    if fault not in here:
         return
-    if fault == "consumer_die":
+    if fault.endswith("die"):
         os._exit(9)
-    time.sleep(4.0)
+    if fault == "consumer_stall":
+        time.sleep(4.0)
+        return
+    groups.drop(pair)
+    raise ConnectionError("test: the pair's connection was dropped")
 
 
 def _is_empty(piece, sender: KVLayout, receiver: KVLayout, rng: PieceRange) -> bool:

@@ -73,10 +73,9 @@ class PairGroups:
         """Abort every pair group: the other engine of a pair does not close with this one,
         and a graceful NCCL teardown would wait for it."""
         with self._lock:
-            groups, self.groups = list(self.groups.values()), {}
-        for group in groups:
-            if self.device.type == "cuda":
-                group.abort()
+            keys = list(self.groups)
+        for key in keys:
+            self.drop(key)
 
     def drop(self, key: str) -> None:
         """Forget a failed pair's group; NCCL's is aborted: a send or receive the other side
