@@ -2,6 +2,7 @@
 
 Default: the offline workload's shapes at batch 256 (Qwen3-0.6B: 16 query / 8 KV heads;
 Llama-3-8B: 32 / 8; head_dim 128, bf16, ~1152 cached tokens a request) for several page sizes.
+--mixed: short requests beside a long one, the table as wide as a server's (the long one's splits).
 --long: long-context decode, bf16 and FP8 caches: Llama-3-8B at 128K batch 1, and the one-KV-head
 shape (32 query heads on one KV head; tp=2 holds 16 of them over the whole context, tp=2 x dcp=2
 all 32 over half) at 128K batch 1 and 64 x 32K. --sweep bf16 fp8 / --split-sweep: split decode's
@@ -58,8 +59,53 @@ def bench(hq, hkv, page, reqs, ctx, fp8=False, splits=None, iters=50):
     return us, gb / (us / 1e6)
 
 
-def default_splits(hkv, reqs, ctx):
-    return tk._default_num_kv_splits(reqs * hkv, ctx, torch.device("cuda"))
+def default_splits(hkv, reqs, ctx, hq=32):
+    return tk._auto_splits(reqs, reqs, hq, hkv, 128, 1, ctx, torch.device("cuda"))[0]
+
+
+MIXED = [  # (name, q heads, KV heads, short requests, their context, the long one's, table width)
+    ("tp=4 server: 32 x 1K + 1 x 128K", 8, 2, 32, 1024, 131072, 140000),
+    ("pcp=4 server, a rank's shard: 32 x 256 + 1 x 32K", 32, 8, 32, 256, 32768, 35000),
+    ("one GPU: 256 x 1152 + 1 x 128K", 32, 8, 256, 1152, 131072, 140000),
+    ("one GPU: 256 x 1152, table 140K", 32, 8, 256, 1152, 0, 140000),
+    ("one GPU: 256 x 1152, table 33K", 32, 8, 256, 1152, 0, 33024),
+    ("one GPU: 1 x 16K, table 140K", 32, 8, 0, 0, 16384, 140000),
+]
+
+
+def mixed_case(hq, hkv, page, n_short, short_ctx, long_ctx, table_ctx, dev="cuda"):
+    """Short requests beside one long one (a server's decode batch while a long prompt decodes), the
+    block table as wide as the engine's (max_model_len), as a captured decode step sees it."""
+    lens = [short_ctx] * n_short + ([long_ctx] if long_ctx else [])
+    width = -(-table_ctx // page)
+    n_blocks = sum(-(-c // page) for c in lens) + 8
+    k = torch.randn(n_blocks, page, hkv, 128, device=dev, dtype=torch.bfloat16)
+    table = torch.zeros(len(lens), width, device=dev, dtype=torch.int32)
+    free = torch.randperm(n_blocks - 8, device=dev, dtype=torch.int32)
+    used = 0
+    for r, c in enumerate(lens):
+        n = -(-c // page)
+        table[r, :n] = free[used:used + n]
+        used += n
+    reqs = len(lens)
+    return dict(q=torch.randn(reqs, hq, 128, device=dev, dtype=torch.bfloat16), k_cache=k,
+                v_cache=torch.randn_like(k), block_table=table,
+                kv_lens=torch.tensor(lens, device=dev, dtype=torch.int32),
+                query_start_loc=torch.arange(reqs + 1, device=dev, dtype=torch.int32),
+                scale=128 ** -0.5, max_query_len=1), sum(lens)
+
+
+def mixed_table(page, bw=4.8e12):
+    """Decode attention of a mixed batch: the step waits for the slowest program (the long request's
+    splits), not the bytes; floor = the KV bytes at `bw`."""
+    print("\n| batch | splits | us | floor (us) | / floor |\n| --- | --- | --- | --- | --- |")
+    for name, hq, hkv, n_short, short_ctx, long_ctx, table_ctx in MIXED:
+        case, tokens = mixed_case(hq, hkv, page, n_short, short_ctx, long_ctx, table_ctx)
+        us = timed_us(lambda: tk.paged_attention_lse(**case))
+        reqs = case["q"].shape[0]
+        splits = tk._auto_splits(reqs, reqs, hq, hkv, 128, 1, table_ctx, torch.device("cuda"))[0]
+        floor = 2 * tokens * hkv * 128 * 2 / bw * 1e6
+        print(f"| {name} | {splits} | {us:.1f} | {floor:.1f} | {us / floor:.2f}x |", flush=True)
 
 
 LONG = [  # (name, q heads, KV heads, requests, context)
@@ -76,7 +122,7 @@ def long_table(page):
     for name, hq, hkv, reqs, ctx in LONG:
         for fp8 in (False, True):
             us, gbs = bench(hq, hkv, page, reqs, ctx, fp8)
-            print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {default_splits(hkv, reqs, ctx)} | {us:.1f} | {gbs:.0f} |",
+            print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {default_splits(hkv, reqs, ctx, hq)} | {us:.1f} | {gbs:.0f} |",
                   flush=True)
 
 
@@ -109,7 +155,7 @@ def split_sweep(page):
     with splits x query heads: the one-KV-head shapes feel it most)."""
     print("\n| shape | KV | splits | us | KV GB/s |\n| --- | --- | --- | --- | --- |")
     for (name, hq, hkv, reqs, ctx), fp8 in itertools.product(LONG, (False,)):
-        base = default_splits(hkv, reqs, ctx)
+        base = default_splits(hkv, reqs, ctx, hq)
         for s in sorted({max(1, base // 4), max(1, base // 2), base, base * 2, base * 4}):
             us, gbs = bench(hq, hkv, page, reqs, ctx, fp8, splits=s, iters=20)
             mark = " (default)" if s == base else ""
@@ -126,9 +172,12 @@ def main():
                     help="split decode's tile / warps / stages per long shape, per cache dtype")
     ap.add_argument("--shapes", type=int, nargs="*", default=None, help="LONG rows to sweep (indices)")
     ap.add_argument("--split-sweep", action="store_true")
+    ap.add_argument("--mixed", action="store_true", help="only mixed batches: short requests beside a long one")
     args = ap.parse_args()
     print(f"\n### Decode attention ({torch.cuda.get_device_name()})")
-    if not (args.long or args.sweep or args.split_sweep):
+    if args.mixed:
+        mixed_table(args.page)
+    if not (args.long or args.sweep or args.split_sweep or args.mixed):
         print(f"\n{args.reqs} requests x {args.ctx} tokens\n\n| heads (q/kv) | page | median (us) | KV read GB/s |"
               "\n| --- | --- | --- | --- |")
         for (hq, hkv), page in itertools.product(((16, 8), (32, 8)), (16, 32, 64, 128)):

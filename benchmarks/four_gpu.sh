@@ -52,9 +52,9 @@ case $part in
     for layout in "-pcp 4" "-tp 4"; do
       # shellcheck disable=SC2086
       python bench_serving.py --workload long-under-decode --short-num 32 --short-len 1024 --long-num 1 \
-        --long-len 131072 --output-len 1024 --rates inf --skip-offline --fail-on-compile \
+        --long-len 131072 --output-len 1024 --rates inf --skip-offline --fail-on-compile --client-procs 4 \
         --out "$out/served$(echo "$layout" | tr -d ' -').json" -- --model builtin:llama3-8b-shape \
-        --load-format dummy --max-model-len 140000 $layout >> "$out/served.log" 2>&1
+        --load-format dummy --max-model-len 140000 $layout ${SERVED_FLAGS:-} >> "$out/served.log" 2>&1
     done ;;
   moe-profile)
     for args in "--tp 4" "--dp 4 --ep"; do

@@ -20,6 +20,7 @@ import traceback
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available() and not INTERPRET
@@ -204,15 +205,22 @@ def check_attention_multirow(G, device="cpu", dtype=torch.float32, D=16, B=4, Hk
 def check_attention_splits(device="cpu", dtype=torch.float32, G=2, D=16, B=4, Hkv=2,
                            kv_lens=(37, 0, 5, 64), q_lens=(1, 2, 5, 1), splits=(1, 2, 3, 7, None)):
     """Split and non-split paths agree (and with the reference), for multi-row (prefix) and
-    one-row (decode) queries; more splits than tiles too."""
-    for lens in (q_lens, [1] * len(kv_lens)):
+    one-row (decode) queries; more splits than tiles too; decode shares of >= MIN_SPLIT tokens
+    (short requests leave most splits empty, unwritten) and of one tile."""
+    tk = _kernels()
+    for lens, min_split in ((q_lens, tk.MIN_SPLIT), ([1] * len(kv_lens), tk.MIN_SPLIT),
+                            ([1] * len(kv_lens), 1)):
         case = make_attention_case(list(kv_lens), list(lens), Hkv, G, D, B, dtype, device, seed=3)
         base_out, base_lse = _check_attention(case, num_kv_splits=1, dtype=dtype)
-        for s in splits[1:]:
-            out, lse = _check_attention(case, num_kv_splits=s, dtype=dtype)
-            tol = _tol(dtype)
-            torch.testing.assert_close(out, base_out, atol=tol, rtol=tol)
-            torch.testing.assert_close(lse, base_lse, atol=tol, rtol=tol)
+        saved, tk.MIN_SPLIT = tk.MIN_SPLIT, min_split
+        try:
+            for s in splits[1:]:
+                out, lse = _check_attention(case, num_kv_splits=s, dtype=dtype)
+                tol = _tol(dtype)
+                torch.testing.assert_close(out, base_out, atol=tol, rtol=tol)
+                torch.testing.assert_close(lse, base_lse, atol=tol, rtol=tol)
+        finally:
+            tk.MIN_SPLIT = saved
 
 
 def check_attention_fp8(device="cpu", dtype=torch.float32, G=2, D=16, B=4, Hkv=2,
@@ -322,6 +330,23 @@ def check_compile_variants():
     before = kv.clone()
     assert compile_attention_variants(8, kv[0], kv[1], None, torch.float32, 64, 8) >= 3
     assert torch.equal(kv, before)
+
+
+@settings(max_examples=200, deadline=None)
+@given(programs=st.integers(1, 8192), context=st.integers(1, 1 << 21),
+       split_bytes=st.integers(1, 1 << 28), long_split=st.sampled_from([0, 2048]))
+def test_decode_splits_bound_the_longest_request_and_the_partials(programs, context, split_bytes,
+                                                                  long_split):
+    """A power of two in [1, 256]; the partials within their budget unless one split; with
+    long_split, a request as long as the table gets shares of <= long_split tokens whatever the
+    batch, unless a cap (256 splits, 256-token shares, the budget) stops it."""
+    from longserve.attention import triton_kernels as tk
+    s = tk._default_num_kv_splits(programs, context, torch.device("cpu"), split_bytes, long_split)
+    assert 1 <= s <= 256 and s & (s - 1) == 0
+    assert s == 1 or s * split_bytes <= tk.SPLIT_BUFFER_BYTES
+    caps = min(256, -(-context // 256), tk.SPLIT_BUFFER_BYTES // split_bytes)
+    if long_split and 2 * -(-context // long_split) <= caps:
+        assert -(-context // s) <= long_split
 
 
 def test_the_warm_up_runs_every_request_bucket_with_and_without_splits(monkeypatch):

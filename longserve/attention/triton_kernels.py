@@ -163,12 +163,13 @@ def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, 
 
 @triton.jit
 def _attend_split(q, split, kv_len, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, qk_scale,
-                  num_splits, BLOCK_M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  num_splits, min_split, BLOCK_M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   SPLIT_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """The online softmax of q over this split's share of one request's KV (whole tiles):
-    (acc [M, D], m_i [M], l_i [M]) as _attend_tile leaves them (all empty for an empty share)."""
-    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    (acc [M, D], m_i [M], l_i [M]) as _attend_tile leaves them (all empty for an empty share).
+    A share is >= min_split tokens: a short request in a batch split for its long one takes few."""
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
     kv_begin = split * per_split
     kv_end = tl.minimum(kv_begin + per_split, kv_len)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -194,12 +195,13 @@ def _attend_split(q, split, kv_len, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, 
 
 # ints that change with a step's batch (request count, split count, the block table's width,
 # the partials' strides) stay unspecialized: one compile per tile config, none while serving
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt", "stride_os", "stride_ls"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split", "stride_bt", "stride_os",
+                               "stride_ls"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, kv_lens_ptr,
     out_ptr, lse_ptr, kv_scale_ptr,
     qk_scale,  # softmax scale * log2(e)
-    num_reqs, num_splits,
+    num_reqs, num_splits, min_split,
     stride_qt, stride_qh,  # q [T, Hq, D]
     stride_kn, stride_kb, stride_kh,  # k/v cache [N, B, Hkv, D]
     stride_bt,  # block table [R, max_blocks]
@@ -240,10 +242,11 @@ def _paged_attn_kernel(
     acc, m_i, l_i = _attend_split(q, split, tl.load(kv_lens_ptr + req),
                                   block_table_ptr + req.to(tl.int64) * stride_bt,
                                   k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh,
-                                  stride_kn, stride_kb, qk_scale, num_splits, BLOCK_M, D, PAGE,
+                                  stride_kn, stride_kb, qk_scale, num_splits, min_split, BLOCK_M, D, PAGE,
                                   BLOCK_N, BLOCK_D, SPLIT_TAIL, DOT_PRECISION, DOT_UPCAST)
 
-    # an empty range (kv_len == 0, or a split past the end) gives out 0 and lse -inf
+    # an empty range (kv_len == 0, or a split past the end) gives lse -inf, and out 0 unsplit; a
+    # split's empty partial is not written (the merge does not read what weighs 0)
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
     out = acc * (v_scale / l_safe)[:, None]
@@ -251,7 +254,9 @@ def _paged_attn_kernel(
 
     o_off = (split.to(tl.int64) * stride_os + row.to(tl.int64)[:, None] * stride_ot
              + head[:, None] * stride_oh + d[None, :])
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=md_ok)
+    unsplit = tl.zeros([BLOCK_M], dtype=tl.int32) + num_splits == 1
+    o_ok = md_ok & (nonempty | unsplit)[:, None]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_ok)
     l_off = split.to(tl.int64) * stride_ls + row.to(tl.int64) * stride_lt + head * stride_lh
     tl.store(lse_ptr + l_off, lse, mask=row_ok)
 
@@ -288,7 +293,7 @@ def _merge_splits_kernel(
         sc_ok = sc < num_splits
         w = tl.exp(_clean(tl.load(lse_row + sc * stride_qs, mask=sc_ok, other=float("-inf"))) - m)
         o = tl.load(out_row + sc[:, None] * stride_ps + d[None, :],
-                    mask=sc_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)  # [C, D]
+                    mask=(sc_ok & (w > 0))[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)  # [C, D]
         acc += tl.sum(tl.where(w[:, None] > 0, o * w[:, None], 0.0), axis=0)
     denom_safe = tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / denom_safe).to(out_ptr.dtype.element_ty),
@@ -305,12 +310,37 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.device) -> int:
+# A decode step waits for its slowest program: a request as long as the table allows gets splits of
+# <= LONG_SPLIT tokens whatever the batch (a 128K request among 32 short ones had 4 splits of 32K,
+# and the step took 25 ms at tp=4 where batch 1 takes 4). Short requests keep shares of
+# >= MIN_SPLIT tokens, so most of their splits are empty and cost a launch, no bytes.
+LONG_SPLIT, MIN_SPLIT = 2048, 256
+SPLIT_BUFFER_BYTES = 64 << 20  # the float32 partials [splits, T, Hq, D] of a call, at most
+
+
+def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.device,
+                           split_bytes: int = 0, long_split: int = 0) -> int:
     """Splits for ~4 programs per SM (batch 1 at 128K: 64 splits of 8 KV heads read 2.8 TB/s on H100,
-    2 per SM 2.65), >= 256 tokens a split (the table's width bounds the context), <= 256; shapes only."""
+    2 per SM 2.65) or for shares of <= long_split tokens of the longest request the table holds,
+    >= 256 tokens a split, <= 256 and <= SPLIT_BUFFER_BYTES of partials (split_bytes each); shapes only."""
     want = triton.cdiv(4 * _num_sms(device), max(num_programs, 1))
-    splits = max(1, min(want, triton.cdiv(max_context, 256), 256))
+    if long_split:
+        want = max(want, triton.next_power_of_2(triton.cdiv(max_context, long_split)))
+    cap = SPLIT_BUFFER_BYTES // split_bytes if split_bytes else 256
+    splits = max(1, min(want, triton.cdiv(max_context, 256), 256, cap))
     return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants
+
+
+def _auto_splits(T: int, R: int, Hq: int, Hkv: int, D: int, BLOCK_Q: int, max_context: int,
+                 device: torch.device) -> tuple[int, bool]:
+    """(splits, few): few = the batch's programs alone leave the GPU idle. Then a decode batch of
+    several requests also splits for its longest (shares <= LONG_SPLIT); one that fills the GPU
+    keeps its splits (split by length, 256 x 1K decodes took 1.4x as long: empty programs and the
+    merge, H200; the cost a long request pays there is in docs/benchmarks.md)."""
+    busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
+    few = triton.cdiv(4 * _num_sms(device), busy) > 1
+    long_split = LONG_SPLIT if BLOCK_Q == 1 and few and R > 1 else 0
+    return _default_num_kv_splits(busy, max_context, device, T * Hq * (D + 1) * 4, long_split), few
 
 
 def _request_bucket(num_reqs: int) -> int:
@@ -427,17 +457,17 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # request r owns q-tile programs [qsl[r] // BLOCK_Q + r * pad, ...): see _find_request
     pad = 0 if BLOCK_Q == 1 else 1
     num_q_tiles = T // BLOCK_Q + R * pad
-    if num_kv_splits is None:
-        busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
-        num_kv_splits = _default_num_kv_splits(busy, block_table.shape[1] * B, q.device)
+    decode = BLOCK_Q == 1
+    auto_splits, few = _auto_splits(T, R, Hq, Hkv, D, BLOCK_Q, block_table.shape[1] * B, q.device)
+    num_kv_splits = num_kv_splits or auto_splits
 
-    if on_gpu and BLOCK_Q == 1 and num_kv_splits > 1:  # long-context decode
+    if on_gpu and decode and few and num_kv_splits > 1:  # long-context decode
         BLOCK_N, num_warps, num_stages = (SPLIT_DECODE_FP8 if kv_scale is not None else
                                           SPLIT_DECODE_WIDE if BLOCK_M >= 32 else SPLIT_DECODE)
     o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
     _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, kv_scale,
-        scale * LOG2E, R, num_kv_splits,
+        scale * LOG2E, R, num_kv_splits, (MIN_SPLIT if few else LONG_SPLIT) if decode else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
