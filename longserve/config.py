@@ -117,8 +117,7 @@ class ModelConfig:
         for key in ROPE_SCALING_KEYS[kind]:
             v = rs.get(key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{source}: rope_scaling {kind} needs a positive number "
-                                 f"{key!r}, got {v!r}")
+                raise ValueError(f"{source}: rope_scaling {kind} needs a positive number {key!r}, got {v!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_ids):
             raise ValueError(f"{source}: eos_token_id must be an integer or a list of them, "
                              f"got {self.eos_token_ids!r}")
@@ -225,8 +224,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return (self.data_parallel_size * self.prefill_context_parallel_size
-                * self.tensor_parallel_size)
+        return self.data_parallel_size * self.prefill_context_parallel_size * self.tensor_parallel_size
 
     @property
     def replica_size(self) -> int:

@@ -10,8 +10,7 @@ class IncrementalDetokenizer:
     def __init__(self, decode):
         self.decode = decode  # token ids -> text
         self.text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.prefix_offset = self.read_offset = 0
         self.prefix = ""  # decode(token_ids[prefix_offset:read_offset])
 
     def update(self, token_ids: list[int]) -> str:

@@ -308,8 +308,7 @@ class Scheduler:
             return True
         token = req.output_token_ids[-1]
         n_out = len(req.output_token_ids)
-        if req.grammar is not None:  # the mask thread accepts the token before the next mask
-            g = req.grammar
+        if (g := req.grammar) is not None:  # the mask thread accepts the token before the next mask
             g.pending.append(token)
             if g.rejected is not None:  # the previous token (the mask should have forbidden it)
                 req.finish_reason, req.error = "error", f"the grammar rejected token {g.rejected}"

@@ -17,8 +17,10 @@ def build_app(prefill_url: str | None, decode_url: str, transport: httpx.AsyncBa
     app = FastAPI(title="longserve proxy")
     client = httpx.AsyncClient(transport=transport, timeout=timeout_s)
 
-    async def forward(request: Request, path: str):
-        body = await request.json()
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def forward(request: Request):
+        body, path = await request.json(), request.scope["route"].path  # the route that matched
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         decode = body
         if prefill_url is not None:
@@ -49,14 +51,6 @@ def build_app(prefill_url: str | None, decode_url: str, transport: httpx.AsyncBa
             finally:  # also when the client went away: the decode instance sees it and aborts
                 await upstream.aclose()
         return StreamingResponse(relay(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await forward(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await forward(request, "/v1/chat/completions")
 
     @app.get("/health")
     async def health():

@@ -310,24 +310,21 @@ class P2pConnectorWorker:
 
     def _serve_loop(self, queue_store, store) -> None:
         with self._side_stream():
-            self._serve_messages(queue_store, store)
-
-    def _serve_messages(self, queue_store, store) -> None:
-        while not self.stopping.is_set():
-            try:
-                msg = next_message(queue_store, self.kvt.engine_id, self.rank)
-            except Exception:  # noqa: BLE001 - the store is gone: the engine is shutting down
-                return
-            if msg.get("stop"):
-                return
-            try:
-                if msg.get("connect"):  # a consumer builds the pair's group at its start
-                    self.groups.get(store, msg["pair"], 0)
-                else:
-                    self._serve(msg, store)
-            except Exception as e:  # noqa: BLE001 - the consumer side failed: it recomputes
-                log.warning("serving a KV pull of request %s failed: %s", msg.get("req_id"), e)
-                self.groups.drop(msg["pair"])
+            while not self.stopping.is_set():
+                try:
+                    msg = next_message(queue_store, self.kvt.engine_id, self.rank)
+                except Exception:  # noqa: BLE001 - the store is gone: the engine is shutting down
+                    return
+                if msg.get("stop"):
+                    return
+                try:
+                    if msg.get("connect"):  # a consumer builds the pair's group at its start
+                        self.groups.get(store, msg["pair"], 0)
+                    else:
+                        self._serve(msg, store)
+                except Exception as e:  # noqa: BLE001 - the consumer side failed: it recomputes
+                    log.warning("serving a KV pull of request %s failed: %s", msg.get("req_id"), e)
+                    self.groups.drop(msg["pair"])
 
     def _take_reader(self, req_id: str) -> Held | None:
         """The held request, counted as read; a pull may come before the step plan that
@@ -379,8 +376,7 @@ class P2pConnectorWorker:
             c.view(2, -1, self.layout.block_size, *c.shape[-2:]).index_fill_(1, idx, 0)
 
     def _load(self, spec: LoadSpec, zeroed) -> None:
-        t0, times = time.perf_counter(), defaultdict(float)
-        ok = False
+        t0, times, ok = time.perf_counter(), defaultdict(float), False
         with self._side_stream() as stream:
             if zeroed is not None:
                 stream.wait_event(zeroed)
@@ -441,9 +437,8 @@ class P2pConnectorWorker:
         p = spec.params
         remote = KVLayout(**p["remote_layout"])
         store = self._store_at(p["remote_host"], int(p["remote_port"]))
-        pieces = plan_kv_pieces(self.layout, remote, self.rank)
         by_rank = defaultdict(list)
-        for piece in pieces:
+        for piece in plan_kv_pieces(self.layout, remote, self.rank):
             by_rank[piece.remote_rank].append(piece)
         rng = PieceRange(spec.start, spec.end, tuple(p["remote_block_ids"]), tuple(spec.block_ids))
         for remote_rank, mine in sorted(by_rank.items()):

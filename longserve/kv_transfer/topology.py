@@ -3,7 +3,7 @@ TP semantics, extended to CP) and `plan_kv_pieces`, from each side's `KVLayout` 
 docs/architecture.md, 'Rank layout', 'KV transfer')."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -107,8 +107,7 @@ def plan_kv_pieces(local: KVLayout, remote: KVLayout, local_rank: int) -> list[K
             last = pieces[-1] if pieces else None
             if (last and last.remote_rank == r and last.remote_cp_rank == remote_cp
                     and last.remote_head + last.num_heads == rh):
-                pieces[-1] = KVPiece(local_rank, r, local_cp, remote_cp, last.local_head,
-                                     last.remote_head, last.num_heads + 1)
+                pieces[-1] = replace(last, num_heads=last.num_heads + 1)
             else:
                 pieces.append(KVPiece(local_rank, r, local_cp, remote_cp, h - first, rh, 1))
     return pieces
@@ -138,8 +137,7 @@ class TpKVTopology:
     def __post_init__(self):
         for eid, tp in self.remote_tp_size.items():
             if eid not in self.remote_layout:
-                self.remote_layout[eid] = KVLayout(self.total_num_kv_heads,
-                                                   self.remote_block_size[eid], tp)
+                self.remote_layout[eid] = KVLayout(self.total_num_kv_heads, self.remote_block_size[eid], tp)
         for eid, lay in self.remote_layout.items():
             self.remote_tp_size[eid] = lay.tp
             self.remote_block_size[eid] = lay.block_size
@@ -161,8 +159,7 @@ class TpKVTopology:
         return self.pcp_rank * self.tp_size + self.tp_rank
 
     def tp_ratio(self, remote_tp_size: int) -> int:
-        """Local TP workers per remote TP worker; negative (-remote/local) when the remote
-        TP is larger."""
+        """Local TP workers per remote TP worker; negative (-remote/local) when the remote TP is larger."""
         if self.tp_size >= remote_tp_size:
             if self.tp_size % remote_tp_size:
                 raise ValueError(f"local TP {self.tp_size} is not a multiple of remote TP {remote_tp_size}")

@@ -92,19 +92,17 @@ def payload_shape(piece: KVPiece, sender: KVLayout, receiver: KVLayout, rng: Pie
 def unpack_piece(kv_caches: list[torch.Tensor], piece: KVPiece, sender: KVLayout,
                  receiver: KVLayout, rng: PieceRange, payload: torch.Tensor) -> None:
     """Write a received payload into the receiver's caches (local_rank of the piece)."""
-    heads = slice(piece.local_head, piece.local_head + piece.num_heads)
-    payload = payload.to(kv_caches[0].device)
+    heads, dev = slice(piece.local_head, piece.local_head + piece.num_heads), kv_caches[0].device
+    payload = payload.to(dev)
     if uses_block_wire(receiver, sender, rng):
         _, local_idx = _block_spans(receiver, sender, rng)
-        ids = torch.tensor([rng.receiver_blocks[i] for i in local_idx], dtype=torch.long,
-                           device=kv_caches[0].device)
+        ids = torch.tensor([rng.receiver_blocks[i] for i in local_idx], dtype=torch.long, device=dev)
         staged = _land_blocks(payload, receiver.block_size, sender)  # [L, 2, n, B_local, h, D]
         for layer, c in enumerate(kv_caches):
             _block_view(c, receiver.block_size)[:, :, :, heads].index_copy_(1, ids, staged[layer])
         return
     pos = piece.positions(receiver, sender, rng.start, rng.end)
-    slots = torch.from_numpy(slots_of(receiver, piece.local_cp_rank, rng.receiver_blocks, pos))
-    slots = slots.to(kv_caches[0].device)
+    slots = torch.from_numpy(slots_of(receiver, piece.local_cp_rank, rng.receiver_blocks, pos)).to(dev)
     for layer, c in enumerate(kv_caches):
         c.view(2, -1, *c.shape[-2:])[:, :, heads].index_copy_(1, slots, payload[layer])
 

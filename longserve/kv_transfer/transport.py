@@ -88,14 +88,13 @@ class PairGroups:
     def send_all(self, group, payloads, first_tag: int = 0, deadline: float | None = None) -> None:
         """Send the payloads (made when asked: i+1 is packed while i is on the wire) with tags first_tag,
         ...; no wait outlasts `deadline` (time.time(): a lease's end)."""
-        pending = None
+        pending = []  # (send, its tensor): a tensor is kept alive until its send is done
         for tag, t in enumerate(payloads, first_tag):
-            work = (group.send([t], 1, tag), t)  # keep t alive until its send is done
-            if pending is not None:
-                wait_work(pending[0], self._until(deadline), self.device)
-            pending = work
-        if pending is not None:
-            wait_work(pending[0], self._until(deadline), self.device)
+            pending.append((group.send([t], 1, tag), t))
+            if len(pending) > 1:
+                wait_work(pending.pop(0)[0], self._until(deadline), self.device)
+        for work, _ in pending:
+            wait_work(work, self._until(deadline), self.device)
 
     def recv_all(self, group, buffers: list, consume, first_tag: int = 0) -> None:
         """Receive into buffers[i] (a callable that allocates it) with tag first_tag + i, then

@@ -13,7 +13,8 @@ def forward_stages(model, input_ids, positions, meta, dp_pad: int | None):
     hidden, residual = model.embed_tokens(input_ids), None
     cos_sin = model.layers[0].self_attn.rotary.cos_sin(positions)
     for layer in model.layers:
-        hidden, residual = layer.attention_block(cos_sin, hidden, residual, meta, False)
+        q, k, v, residual = layer.before_attention(cos_sin, hidden, residual)
+        hidden, residual = layer.post_attention(layer.self_attn.attn(q, k, v, meta), residual, False)
         if isinstance(layer.mlp, FusedMoE):
             hidden = yield from layer.mlp.stages(hidden, "all", dp_pad)
         else:

@@ -49,8 +49,7 @@ def _place_kernel(ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, first, n
     tl.store(slot_pair_ptr + start + place, pairs.to(tl.int64), mask=mine)
     blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     expert = tl.sum((run_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), 1)
-    tl.store(block_expert_ptr + blocks, tl.where(expert < num_local, expert, -1),
-             mask=blocks < num_blocks)
+    tl.store(block_expert_ptr + blocks, tl.where(expert < num_local, expert, -1), mask=blocks < num_blocks)
     used_end = tl.sum(tl.where(expert[:, None] == e[None, :], (run_start + counts)[None, :], 0), 1)
     slots = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     pad = (slots >= used_end[:, None]) | (expert >= num_local)[:, None]
@@ -102,8 +101,7 @@ def _expert_gemm(a_ptr, b_ptr, c_ptr, slot_pair_ptr, block_expert_ptr, weight_pt
         b_mask = k_ok[:, None] & (cols < N)[None, :]
         acc += _dot(a_tile, tl.load(b + k, mask=b_mask, other=0.0), PRECISION, UPCAST)
         if GATE_UP:  # the up rows follow the N gate rows
-            up += _dot(a_tile, tl.load(b + N * stride_bn + k, mask=b_mask, other=0.0),
-                       PRECISION, UPCAST)
+            up += _dot(a_tile, tl.load(b + N * stride_bn + k, mask=b_mask, other=0.0), PRECISION, UPCAST)
     if GATE_UP:
         out, c_rows = acc / (1.0 + tl.exp(-acc)) * up, slots
     else:
@@ -151,8 +149,7 @@ def _combine_kernel(pairs_ptr, ids_ptr, out_ptr, first, num_local, hidden,
     for j in tl.static_range(TOP_K):
         local = tl.load(ids_ptr + t * TOP_K + j) - first
         end = tl.where((local >= 0) & (local < num_local), hidden, 0)  # 0: not ours, skip
-        acc += tl.load(pairs_ptr + (t * TOP_K + j) * hidden + cols, mask=cols < end,
-                       other=0.0).to(tl.float32)
+        acc += tl.load(pairs_ptr + (t * TOP_K + j) * hidden + cols, mask=cols < end, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

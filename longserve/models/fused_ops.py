@@ -18,8 +18,7 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and x.device.type == "cpu")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """x [..., N] -> weight * norm(x); with residual: (norm(x + residual), x + residual)."""
     if not use_triton(x):
         return rms_norm_torch(x, weight, eps, residual)
@@ -29,8 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rms_norm_torch(x, weight, eps, residual=None):
     if residual is not None:
-        x = x + residual
-        residual = x
+        x = residual = x + residual
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(x.dtype)

@@ -23,8 +23,7 @@ def set_kv_scales(model, checkpoint_scales: dict[tuple[int, str], torch.Tensor])
     """Give every attention layer its `kv_scale` [2, Hkv] float32 (K row, V row); a layer
     that reads another layer's KV takes that layer's scales."""
     attns = model.attention_layers()
-    for i, layer in enumerate(model.layers):
-        attn = attns[i]
+    for i, (layer, attn) in enumerate(zip(model.layers, attns)):
         if attn.kv_sharing_target is None:
             bound = weight_bound(layer.input_layernorm.weight, layer.self_attn)
             scale = torch.exp2(torch.ceil(torch.log2((bound / FP8_MAX).clamp_min(2.0 ** -100))))

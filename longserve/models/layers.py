@@ -71,8 +71,7 @@ class QKVParallelLinear(nn.Module):
         self.num_heads = num_heads // tp.world_size
         self.kv_start, self.num_kv_heads = kv_heads_of_rank(num_kv_heads, tp.world_size,
                                                             tp.rank_in_group, dcp_size)
-        self.q_size = self.num_heads * head_dim
-        self.kv_size = self.num_kv_heads * head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         rows = self.q_size + 2 * self.kv_size
         self.weight = _param(rows, hidden, loader=self.load_shard)
         self.bias = _param(rows, loader=self.load_shard) if bias else None
@@ -124,8 +123,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def load_rows(self, param, loaded, shard=None):
         if loaded.shape[0] < self.vocab_size:
-            raise ValueError(f"shape {tuple(loaded.shape)} has fewer rows than vocab_size "
-                             f"{self.vocab_size}")
+            raise ValueError(f"shape {tuple(loaded.shape)} has fewer rows than vocab_size {self.vocab_size}")
         piece = loaded[self.start:self.start + self.rows]
         param.data.zero_()
         _copy_checked(param.data[:piece.shape[0]], piece)

@@ -55,26 +55,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer_idx: int,
-                 expert_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer_idx: int, expert_parallel: bool = False):
         super().__init__()
         self.tp = ps.tp
         self.self_attn = LlamaAttention(cfg, ps, layer_idx)
-        self.mlp = (FusedMoE(cfg, ps, expert_parallel) if layer_idx in cfg.moe_layers
-                    else LlamaMLP(cfg, ps))
+        self.mlp = FusedMoE(cfg, ps, expert_parallel) if layer_idx in cfg.moe_layers else LlamaMLP(cfg, ps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, cos_sin, hidden, residual, meta, sp: bool, dp_pad: int | None = None):
         """With sequence parallelism (`sp`) hidden and residual hold this TP rank's slice of the tokens
         between layers; dp_pad: tokens per DP rank in expert layers."""
-        hidden, residual = self.attention_block(cos_sin, hidden, residual, meta, sp)
-        return self.mlp(hidden, "scatter" if sp else "all", dp_pad), residual
-
-    def attention_block(self, cos_sin, hidden, residual, meta, sp: bool):
-        """Everything before the MLP: its input (gathered over TP with sp) and the residual."""
         q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp)
-        return self.post_attention(self.self_attn.attn(q, k, v, meta), residual, sp)
+        return self.after_attention(self.self_attn.attn(q, k, v, meta), residual, sp, dp_pad)
 
     def before_attention(self, cos_sin, hidden, residual, sp: bool = False, out=None):
         """Input norm (+ residual add), QKV, q/k norm and RoPE -> q, k, v, residual (out: see qkv)."""
@@ -94,8 +87,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def post_attention(self, attn_out, residual, sp: bool):
         """o_proj (all-reduce, or reduce-scatter with sp) and the post-attention norm."""
-        hidden = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1),
-                                       "scatter" if sp else "all")
+        hidden = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1), "scatter" if sp else "all")
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if sp:
             hidden = self.tp.all_gather(hidden, 0)
@@ -140,13 +132,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 # HF checkpoint name -> (our parameter name, shard) for fused parameters.
-STACKED_PARAMS = [
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
-]
+STACKED_PARAMS = [(".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"),
+                  (".v_proj.", ".qkv_proj.", "v"), (".gate_proj.", ".gate_up_proj.", 0),
+                  (".up_proj.", ".gate_up_proj.", 1)]
 
 
 # expert tensors: per expert (Qwen3-MoE: gate/up/down_proj; Mixtral: w1/w3/w2) or fused
@@ -160,8 +148,7 @@ EXPERT_KINDS = {"gate_proj": ("w13", "gate"), "w1": ("w13", "gate"), "up_proj": 
 
 def checkpoint_to_param_name(name: str) -> tuple[str, object]:
     """Map a HF tensor name onto this module's parameter name and shard id."""
-    name = name.removeprefix("model.")
-    name = name.replace(".self_attn.attn.", ".self_attn.")
+    name = name.removeprefix("model.").replace(".self_attn.attn.", ".self_attn.")
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral
     expert = EXPERT_TENSOR.search(name)
     if expert is not None:

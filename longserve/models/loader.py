@@ -73,8 +73,7 @@ def load_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[tuple[int, s
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
-                    load_named(params, name, tensor, file, cfg, loaded, shapes, kv_scales)
+                    load_named(params, name, f.get_tensor(name), file, cfg, loaded, shapes, kv_scales)
                     bar.update()
         except ValueError:
             raise  # ours: names the tensor and the file
@@ -117,25 +116,22 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name and full shape of every tensor a HF checkpoint of this architecture holds."""
     h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    qkv_heads = (("q", nh), ("k", nkv), ("v", nkv))
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (nh * d, h),
-                       p + "self_attn.k_proj.weight": (nkv * d, h),
-                       p + "self_attn.v_proj.weight": (nkv * d, h),
+                       **{p + f"self_attn.{x}_proj.weight": (n * d, h) for x, n in qkv_heads},
                        p + "self_attn.o_proj.weight": (h, nh * d)})
         if i in cfg.moe_layers:
             shapes.update(expert_shapes(cfg, p))
         else:
-            shapes.update({p + "mlp.gate_proj.weight": (inter, h),
-                           p + "mlp.up_proj.weight": (inter, h),
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                            p + "mlp.down_proj.weight": (h, inter)})
         if cfg.attention_bias:
-            shapes.update({p + f"self_attn.{x}_proj.bias": (n * d,)
-                           for x, n in (("q", nh), ("k", nkv), ("v", nkv))})
+            shapes.update({p + f"self_attn.{x}_proj.bias": (n * d,) for x, n in qkv_heads})
         if cfg.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     return shapes
@@ -156,16 +152,11 @@ def expert_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
 def fused_expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The 3-D expert tensors of transformers 5's modules (also accepted by the loader)."""
     e, h, w = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    shapes = {}
-    for i in cfg.moe_layers:
-        p = f"model.layers.{i}.mlp."
-        shapes.update({p + "gate.weight": (e, h), p + "experts.gate_up_proj": (e, 2 * w, h),
-                       p + "experts.down_proj": (e, h, w)})
-    return shapes
+    shapes = {"gate.weight": (e, h), "experts.gate_up_proj": (e, 2 * w, h), "experts.down_proj": (e, h, w)}
+    return {f"model.layers.{i}.mlp.{name}": s for i in cfg.moe_layers for name, s in shapes.items()}
 
 
-def load_one(params: dict, name: str, tensor: torch.Tensor, file: str, loaded: set,
-             shapes: dict) -> None:
+def load_one(params: dict, name: str, tensor: torch.Tensor, file: str, loaded: set, shapes: dict) -> None:
     param_name, shard = checkpoint_to_param_name(name)
     param = params.get(param_name)
     if param is None or name not in shapes:

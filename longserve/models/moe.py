@@ -54,8 +54,7 @@ class FusedMoE(nn.Module):
             self.num_local = num_experts // size
             self.first, self.width, self.width_start = rank * self.num_local, width, 0
         else:  # every expert, columns [width_start, width_start + width) of its hidden layer
-            self.num_local, self.first = num_experts, 0
-            self.width = width // size
+            self.num_local, self.first, self.width = num_experts, 0, width // size
             self.width_start = rank * self.width
         self.gate = ReplicatedLinear(hidden, num_experts)  # the router
         self.w13 = _param(self.num_local, 2 * self.width, hidden, loader=self.load_w13)
@@ -84,11 +83,10 @@ class FusedMoE(nn.Module):
                 self.load_w13(param, loaded[e, full:], ("up", e))
             return
         local = self._local(expert)
-        if local is None:
-            return
-        offset = 0 if kind == "gate" else self.width
-        piece = loaded.narrow(0, self.width_start, self.width)
-        _copy_checked(param.data[local].narrow(0, offset, self.width), piece)
+        if local is not None:
+            offset = 0 if kind == "gate" else self.width
+            _copy_checked(param.data[local].narrow(0, offset, self.width),
+                          loaded.narrow(0, self.width_start, self.width))
 
     def load_w2(self, param, loaded, shard):
         _, expert = shard
@@ -104,8 +102,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, reduce: str = "all", dp_pad: int | None = None):
         return drain(self.stages(x, reduce, dp_pad, async_op=False))
 
-    def stages(self, x: torch.Tensor, reduce: str = "all", dp_pad: int | None = None,
-               async_op: bool = True):
+    def stages(self, x: torch.Tensor, reduce: str = "all", dp_pad: int | None = None, async_op: bool = True):
         """x [T, hidden] (this DP rank's tokens, the same on its TP ranks) -> [T, hidden]
         (or this TP rank's T/tp rows with reduce="scatter"). dp_pad: the token count every
         DP rank pads to (needed when dp > 1). Yields while a collective is in flight."""

@@ -45,7 +45,7 @@ class ServerState:
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
     tokenization: OpenAIServingTokenization | None = None
-    registry: object = field(default=None)
+    registry: object = None
     metrics: object = None  # ServerMetrics, counted from the first request after the warm-up
     log_requests: bool = False
     siblings: object = None  # with several API servers the others (api_servers.Siblings)
@@ -61,8 +61,7 @@ def build_app(load_core: Callable[[], LLMEngine], served_names: list[str], api_k
               chat_template: str | None = None, on_load_error: Callable[[], None] | None = None,
               log_requests: bool = False, siblings=None, max_request_body_mb: float = 8.0) -> FastAPI:
     """`load_core` builds the engine core (on a thread, after the server starts listening)."""
-    state = ServerState(served_names, api_key, chat_template, log_requests=log_requests,
-                        siblings=siblings)
+    state = ServerState(served_names, api_key, chat_template, log_requests=log_requests, siblings=siblings)
     state.registry, state.metrics = make_registry(lambda: state.core, served_names[0])
 
     @asynccontextmanager
@@ -277,18 +276,16 @@ async def _disconnect(request: Request) -> None:
 
 
 def run_server(load_core: Callable[[], LLMEngine], served_names: list[str], host: str = "127.0.0.1",
-               port: int = 8000, api_key: str | None = None, chat_template: str | None = None,
-               shutdown_timeout: float = 10.0, log_level: str = "info", log_requests: bool = False,
-               sock=None, siblings=None, max_request_body_mb: float = 8.0) -> int:
+               port: int = 8000, shutdown_timeout: float = 10.0, log_level: str = "info", sock=None,
+               **app_kw) -> int:
     """Serve until Ctrl-C / SIGTERM (on `sock` if given: a socket bound to the port);
-    returns the exit status (1 if the engine failed to start)."""
+    returns the exit status (1 if the engine failed to start). app_kw: build_app's."""
     import uvicorn
 
     def stop():
         server.should_exit = True
 
-    app = build_app(load_core, served_names, api_key, chat_template, on_load_error=stop,
-                    log_requests=log_requests, siblings=siblings, max_request_body_mb=max_request_body_mb)
+    app = build_app(load_core, served_names, on_load_error=stop, **app_kw)
     # uvicorn's own deadline is a backstop: at the drain's end the requests left get an error
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=shutdown_timeout + 5))

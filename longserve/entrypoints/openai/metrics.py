@@ -57,8 +57,7 @@ class ServerMetrics:
 
 class EngineCollector(Collector):
     def __init__(self, get_core: Callable[[], LLMEngine | None], model_name: str):
-        self.get_core = get_core
-        self.model_name = model_name
+        self.get_core, self.model_name = get_core, model_name
 
     def collect(self):
         core = self.get_core()

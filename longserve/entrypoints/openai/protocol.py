@@ -18,8 +18,7 @@ class OpenAIError(Exception):
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def random_id(prefix: str) -> str:

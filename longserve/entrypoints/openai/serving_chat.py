@@ -7,11 +7,9 @@ import os
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.output_processor import StreamOutput
 from longserve.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError, random_id
-from longserve.entrypoints.openai.serving_engine import (Frames, SSEResponse, TokenNames, check_errors,
-                                                         check_model, json_response, kv_transfer_params,
-                                                         make_requests, queue, read_all, response_body,
-                                                         sampling_params, sse_frames, usage,
-                                                         vllm_prompt_logprobs)
+from longserve.entrypoints.openai.serving_engine import (Frames, SSEResponse, TokenNames, check_model,
+                                                         json_response, make_requests, queue, read_all,
+                                                         sampling_params, sse_frames, vllm_prompt_logprobs)
 
 
 def message_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -20,8 +18,7 @@ def message_dicts(req: ChatCompletionRequest) -> list[dict]:
         content = m.content
         if isinstance(content, list):
             if any(p.type != "text" for p in content):
-                raise OpenAIError(f"messages[{i}].content: only text parts are supported",
-                                  param="messages")
+                raise OpenAIError(f"messages[{i}].content: only text parts are supported", param="messages")
             content = "".join(p.text or "" for p in content)
         out.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
     return out
@@ -29,8 +26,7 @@ def message_dicts(req: ChatCompletionRequest) -> list[dict]:
 
 class OpenAIServingChat:
     def __init__(self, core: LLMEngine, served_names: list[str], chat_template: str | None = None):
-        self.core = core
-        self.served_names = served_names
+        self.core, self.served_names = core, served_names
         if chat_template and os.path.isfile(chat_template):  # --chat-template: a file or the text
             with open(chat_template) as f:
                 chat_template = f.read()
@@ -61,14 +57,11 @@ class OpenAIServingChat:
         if req.stream:
             return SSEResponse(self._stream(request_id, model, stream, req, name), self.core, [stream])
         outs = await read_all(self.core, [stream])
-        check_errors(outs)
         choices = [dict(index=i, message=dict(role="assistant", content=out.text),
                         logprobs=self._logprobs(out, name), finish_reason=out.finish_reason,
                         stop_reason=out.stop_reason) for i, out in enumerate(outs)]
-        return json_response(response_body(
-            request_id, "chat.completion", model, choices, usage=usage(outs),
-            prompt_logprobs=vllm_prompt_logprobs(outs[0], req.prompt_logprobs, name),
-            kv_transfer_params=kv_transfer_params(outs)))
+        return json_response(request_id, "chat.completion", model, choices, outs,
+                             prompt_logprobs=vllm_prompt_logprobs(outs[0], req.prompt_logprobs, name))
 
     @staticmethod
     def _top(token: int, logprob: float, name) -> dict:

@@ -8,11 +8,9 @@ from typing import Callable
 from longserve.engine.llm_engine import LLMEngine
 from longserve.engine.output_processor import StreamOutput
 from longserve.entrypoints.openai.protocol import CompletionRequest, OpenAIError, random_id
-from longserve.entrypoints.openai.serving_engine import (Frames, SSEResponse, TokenNames, check_errors,
-                                                         check_model, json_response, kv_transfer_params,
-                                                         make_requests, queue, read_all, response_body,
-                                                         sampling_params, sse_frames, usage,
-                                                         vllm_prompt_logprobs)
+from longserve.entrypoints.openai.serving_engine import (Frames, SSEResponse, TokenNames, check_model,
+                                                         json_response, make_requests, queue, read_all,
+                                                         sampling_params, sse_frames, vllm_prompt_logprobs)
 
 
 def normalize_prompts(prompt) -> list:
@@ -30,8 +28,7 @@ def normalize_prompts(prompt) -> list:
 
 class OpenAIServingCompletion:
     def __init__(self, core: LLMEngine, served_names: list[str]):
-        self.core = core
-        self.served_names = served_names
+        self.core, self.served_names = core, served_names
         self.names = TokenNames(core.tokenizer)
 
     async def create_completion(self, req: CompletionRequest):
@@ -51,10 +48,8 @@ class OpenAIServingCompletion:
             frames = self._stream(request_id, model, streams, echoes, req, shape)
             return SSEResponse(frames, self.core, streams)
         outs = await read_all(self.core, streams)
-        check_errors(outs)
         choices = [shape.choice(i, out, echoes[i // req.n], 0) for i, out in enumerate(outs)]
-        return json_response(response_body(request_id, "text_completion", model, choices, usage=usage(outs),
-                                           kv_transfer_params=kv_transfer_params(outs)))
+        return json_response(request_id, "text_completion", model, choices, outs)
 
     def _requests(self, prompts: list, params, echo: bool, scored: bool) -> tuple[list, list]:
         """(validated requests, per prompt: (the echoed text, the prompt ids whose logprobs lead

@@ -197,17 +197,14 @@ def check_errors(outs: list[StreamOutput]) -> None:
             raise OpenAIError(out.error, 500, "server_error", code="request_failed")
 
 
-def kv_transfer_params(outs: list[StreamOutput]) -> dict | None:
-    return next((o.kv_transfer_params for o in outs if o.kv_transfer_params), None)
-
-
 async def read_all(core: LLMEngine, streams: list) -> list[StreamOutput]:
-    """The whole output of each choice of each stream, in order."""
+    """The whole output of each choice of each stream, in order; raises check_errors' 500."""
     outs: list[StreamOutput | None] = [None] * sum(s.n for s in streams)
     async with aclosing(read_streams(core, streams)) as batches:
         async for batch in batches:
             for index, out in batch:
                 outs[index] = out if outs[index] is None else outs[index].merged(out)
+    check_errors(outs)
     return outs
 
 
@@ -224,15 +221,12 @@ def vllm_prompt_logprobs(out: StreamOutput, k: int | None, name) -> list | None:
     the engine's (also outside the top k); the top k rank by their order."""
     if k is None or out.prompt_logprobs is None:
         return None
-    shaped = []
-    for entry, target_rank in zip(out.prompt_logprobs, out.prompt_ranks):
-        if entry is None:
-            shaped.append(None)
-            continue
+
+    def shaped(entry: dict, target_rank: int) -> dict:
         rank = {t: i + 1 for i, t in enumerate(sorted(entry, key=entry.get, reverse=True))}
         rank[next(iter(entry))] = target_rank
-        shaped.append({t: dict(logprob=lp, rank=rank[t], decoded_token=name(t)) for t, lp in entry.items()})
-    return shaped
+        return {t: dict(logprob=lp, rank=rank[t], decoded_token=name(t)) for t, lp in entry.items()}
+    return [None if e is None else shaped(e, r) for e, r in zip(out.prompt_logprobs, out.prompt_ranks)]
 
 
 encode = msgspec.json.Encoder().encode
@@ -243,7 +237,12 @@ def response_body(request_id: str, kind: str, model: str, choices: list, **field
     return dict(id=request_id, object=kind, created=int(time.time()), model=model, choices=choices, **fields)
 
 
-def json_response(body: dict) -> Response:
+def json_response(request_id: str, kind: str, model: str, choices: list, outs: list[StreamOutput],
+                  **fields) -> Response:
+    """A whole (not streamed) response: its usage, `fields`, a producer's kv_transfer_params."""
+    kv_params = next((o.kv_transfer_params for o in outs if o.kv_transfer_params), None)
+    body = response_body(request_id, kind, model, choices, usage=usage(outs), **fields,
+                         kv_transfer_params=kv_params)
     return Response(encode(body), media_type="application/json")
 
 
