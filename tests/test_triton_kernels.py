@@ -349,6 +349,20 @@ def test_decode_splits_bound_the_longest_request_and_the_partials(programs, cont
         assert -(-context // s) <= long_split
 
 
+def test_a_batch_that_leaves_the_gpu_idle_splits_for_its_longest_request(monkeypatch):
+    """On a 132-SM GPU with a 140K-token table: 33 decodes of 2 KV heads (a tp=4 rank) give the
+    longest request shares of <= LONG_SPLIT tokens; 256 decodes fill the GPU and stay unsplit; one
+    request keeps its split by programs; a prefix (multi-row) batch is not split by length."""
+    from longserve.attention import triton_kernels as tk
+    monkeypatch.setattr(tk, "_num_sms", lambda device: 132)
+    dev, table = torch.device("cuda"), 140_000
+    splits, few = tk._auto_splits(33, 33, 8, 2, 128, 1, table, dev)
+    assert few and -(-table // splits) <= tk.LONG_SPLIT
+    assert tk._auto_splits(256, 256, 32, 8, 128, 1, table, dev) == (1, False)
+    assert tk._auto_splits(1, 1, 32, 8, 128, 1, table, dev) == (64, True)  # 4 programs an SM
+    assert tk._auto_splits(33 * 16, 33, 8, 2, 128, 16, table, dev)[0] < splits
+
+
 def test_the_warm_up_runs_every_request_bucket_with_and_without_splits(monkeypatch):
     """The variants a step can pick differ in BLOCK_R (the request bucket: one request and a
     full batch past 256 share their tiles, not it) and in the output's type (float32 split
