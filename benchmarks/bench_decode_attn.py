@@ -60,7 +60,7 @@ def bench(hq, hkv, page, reqs, ctx, fp8=False, splits=None, iters=50):
 
 
 def default_splits(hkv, reqs, ctx, hq=32):
-    return tk._auto_splits(reqs, reqs, hq, hkv, 128, 1, ctx, torch.device("cuda"))[0]
+    return tk._auto_splits(reqs, reqs, hq, hkv, 128, 1, ctx, torch.device("cuda"))
 
 
 MIXED = [  # (name, q heads, KV heads, short requests, their context, the long one's, table width)
@@ -103,7 +103,7 @@ def mixed_table(page, bw=4.8e12):
         case, tokens = mixed_case(hq, hkv, page, n_short, short_ctx, long_ctx, table_ctx)
         us = timed_us(lambda: tk.paged_attention_lse(**case))
         reqs = case["q"].shape[0]
-        splits = tk._auto_splits(reqs, reqs, hq, hkv, 128, 1, table_ctx, torch.device("cuda"))[0]
+        splits = tk._auto_splits(reqs, reqs, hq, hkv, 128, 1, table_ctx, torch.device("cuda"))
         floor = 2 * tokens * hkv * 128 * 2 / bw * 1e6
         print(f"| {name} | {splits} | {us:.1f} | {floor:.1f} | {us / floor:.2f}x |", flush=True)
 

@@ -356,11 +356,11 @@ def test_a_batch_that_leaves_the_gpu_idle_splits_for_its_longest_request(monkeyp
     from longserve.attention import triton_kernels as tk
     monkeypatch.setattr(tk, "_num_sms", lambda device: 132)
     dev, table = torch.device("cuda"), 140_000
-    splits, few = tk._auto_splits(33, 33, 8, 2, 128, 1, table, dev)
-    assert few and -(-table // splits) <= tk.LONG_SPLIT
-    assert tk._auto_splits(256, 256, 32, 8, 128, 1, table, dev) == (1, False)
-    assert tk._auto_splits(1, 1, 32, 8, 128, 1, table, dev) == (64, True)  # 4 programs an SM
-    assert tk._auto_splits(33 * 16, 33, 8, 2, 128, 16, table, dev)[0] < splits
+    splits = tk._auto_splits(33, 33, 8, 2, 128, 1, table, dev)
+    assert -(-table // splits) <= tk.LONG_SPLIT
+    assert tk._auto_splits(256, 256, 32, 8, 128, 1, table, dev) == 1
+    assert tk._auto_splits(1, 1, 32, 8, 128, 1, table, dev) == 64  # 4 programs an SM
+    assert tk._auto_splits(33 * 16, 33, 8, 2, 128, 16, table, dev) < splits
 
 
 def test_the_warm_up_runs_every_request_bucket_with_and_without_splits(monkeypatch):

@@ -245,20 +245,26 @@ def _paged_attn_kernel(
                                   stride_kn, stride_kb, qk_scale, num_splits, min_split, BLOCK_M, D, PAGE,
                                   BLOCK_N, BLOCK_D, SPLIT_TAIL, DOT_PRECISION, DOT_UPCAST)
 
-    # an empty range (kv_len == 0, or a split past the end) gives lse -inf, and out 0 unsplit; a
-    # split's empty partial is not written (the merge does not read what weighs 0)
-    nonempty = l_i > 0
-    l_safe = tl.where(nonempty, l_i, 1.0)
-    out = acc * (v_scale / l_safe)[:, None]
-    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln(2)
-
     o_off = (split.to(tl.int64) * stride_os + row.to(tl.int64)[:, None] * stride_ot
              + head[:, None] * stride_oh + d[None, :])
-    unsplit = tl.zeros([BLOCK_M], dtype=tl.int32) + num_splits == 1
-    o_ok = md_ok & (nonempty | unsplit)[:, None]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_ok)
     l_off = split.to(tl.int64) * stride_ls + row.to(tl.int64) * stride_lt + head * stride_lh
-    tl.store(lse_ptr + l_off, lse, mask=row_ok)
+    _write_split(out_ptr + o_off, lse_ptr + l_off, acc, m_i, l_i, v_scale, md_ok, row_ok, num_splits,
+                 BLOCK_M)
+
+
+@triton.jit
+def _write_split(o_ptrs, l_ptrs, acc, m_i, l_i, v_scale, md_ok, row_ok, num_splits,
+                 BLOCK_M: tl.constexpr):
+    """This split's out [M, D] (normalized) and lse [M] (natural log) where the kernel writes. An
+    empty range (kv_len == 0, or a split past the end) gives lse -inf, and out 0 when unsplit; a
+    split's empty partial is not written (the merge does not read what weighs 0)."""
+    nonempty = l_i > 0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    unsplit = tl.zeros([BLOCK_M], dtype=tl.int32) + num_splits == 1
+    tl.store(o_ptrs, (acc * (v_scale / l_safe)[:, None]).to(o_ptrs.dtype.element_ty),
+             mask=md_ok & (nonempty | unsplit)[:, None])
+    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln(2)
+    tl.store(l_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
@@ -310,10 +316,10 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# A decode step waits for its slowest program: a request as long as the table allows gets splits of
-# <= LONG_SPLIT tokens whatever the batch (a 128K request among 32 short ones had 4 splits of 32K,
-# and the step took 25 ms at tp=4 where batch 1 takes 4). Short requests keep shares of
-# >= MIN_SPLIT tokens, so most of their splits are empty and cost a launch, no bytes.
+# A decode step waits for its slowest program: in a batch that leaves the GPU idle, a request as
+# long as the table allows gets splits of <= LONG_SPLIT tokens (a 128K request among 32 short ones
+# had 4 splits of 32K, and the step took 25 ms at tp=4 where batch 1 takes 4). Short requests keep
+# shares of >= MIN_SPLIT tokens, so most of their splits are empty and cost a launch, no bytes.
 LONG_SPLIT, MIN_SPLIT = 2048, 256
 SPLIT_BUFFER_BYTES = 64 << 20  # the float32 partials [splits, T, Hq, D] of a call, at most
 
@@ -332,15 +338,15 @@ def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.de
 
 
 def _auto_splits(T: int, R: int, Hq: int, Hkv: int, D: int, BLOCK_Q: int, max_context: int,
-                 device: torch.device) -> tuple[int, bool]:
-    """(splits, few): few = the batch's programs alone leave the GPU idle. Then a decode batch of
-    several requests also splits for its longest (shares <= LONG_SPLIT); one that fills the GPU
-    keeps its splits (split by length, 256 x 1K decodes took 1.4x as long: empty programs and the
-    merge, H200; the cost a long request pays there is in docs/benchmarks.md)."""
+                 device: torch.device) -> int:
+    """A decode batch of several requests whose programs alone leave the GPU idle also splits for
+    its longest (shares <= LONG_SPLIT); one that fills the GPU keeps one split (split by length,
+    256 x 1K decodes took 1.4x as long: empty programs and the merge, H200; the cost a long request
+    pays there is in docs/benchmarks.md)."""
     busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
     few = triton.cdiv(4 * _num_sms(device), busy) > 1
     long_split = LONG_SPLIT if BLOCK_Q == 1 and few and R > 1 else 0
-    return _default_num_kv_splits(busy, max_context, device, T * Hq * (D + 1) * 4, long_split), few
+    return _default_num_kv_splits(busy, max_context, device, T * Hq * (D + 1) * 4, long_split)
 
 
 def _request_bucket(num_reqs: int) -> int:
@@ -457,17 +463,16 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # request r owns q-tile programs [qsl[r] // BLOCK_Q + r * pad, ...): see _find_request
     pad = 0 if BLOCK_Q == 1 else 1
     num_q_tiles = T // BLOCK_Q + R * pad
-    decode = BLOCK_Q == 1
-    auto_splits, few = _auto_splits(T, R, Hq, Hkv, D, BLOCK_Q, block_table.shape[1] * B, q.device)
-    num_kv_splits = num_kv_splits or auto_splits
+    if num_kv_splits is None:
+        num_kv_splits = _auto_splits(T, R, Hq, Hkv, D, BLOCK_Q, block_table.shape[1] * B, q.device)
 
-    if on_gpu and decode and few and num_kv_splits > 1:  # long-context decode
+    if on_gpu and BLOCK_Q == 1 and num_kv_splits > 1:  # long-context decode
         BLOCK_N, num_warps, num_stages = (SPLIT_DECODE_FP8 if kv_scale is not None else
                                           SPLIT_DECODE_WIDE if BLOCK_M >= 32 else SPLIT_DECODE)
     o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
     _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, kv_scale,
-        scale * LOG2E, R, num_kv_splits, (MIN_SPLIT if few else LONG_SPLIT) if decode else 0,
+        scale * LOG2E, R, num_kv_splits, MIN_SPLIT if BLOCK_Q == 1 else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
