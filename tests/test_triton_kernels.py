@@ -270,7 +270,8 @@ def check_merge(device="cpu", dtype=torch.float32, T=9, H=3, D=24):
 
 def check_merge_partials(device="cpu", dtype=torch.float32, S=4, T=9, H=3, D=24, packed_dtype=None):
     """The CP merge kernel against the torch reference: packed [S, T, H, D + 1] partials with
-    empty (-inf), NaN and +inf LSEs, a NaN output under a weight-0 LSE, a row empty everywhere."""
+    empty (-inf), NaN and +inf LSEs, a NaN output under a weight-0 LSE, a row empty everywhere, a
+    row whose later half of splits is empty (a short request's: never written, here NaN)."""
     from longserve.attention.cp_attention import merge_partials, pack_partial
     gen = torch.Generator().manual_seed(6)
     parts = _randn(S, T, H, D + 1, dtype=torch.float32, device=device, gen=gen)
@@ -278,6 +279,7 @@ def check_merge_partials(device="cpu", dtype=torch.float32, S=4, T=9, H=3, D=24,
     parts[:, 0, 0, -1] = -math.inf
     parts[1, 1, :, -1], parts[-1, 2, 1, -1], parts[0, 3, 2, -1] = -math.inf, math.nan, math.inf
     parts[1, 1, 0, 0] = math.nan
+    parts[S // 2:, 4, :, -1], parts[S // 2:, 4, :, :-1] = -math.inf, math.nan
     if packed_dtype is not None:  # a prefix's exchange: out in half precision, the LSE's bytes
         parts = torch.stack([pack_partial(p[..., :-1], p[..., -1], packed_dtype) for p in parts])
     out, lse = _kernels().merge_partials_triton(parts, dtype)
@@ -361,6 +363,10 @@ def test_a_batch_that_leaves_the_gpu_idle_splits_for_its_longest_request(monkeyp
     assert tk._auto_splits(256, 256, 32, 8, 128, 1, table, dev) == 1
     assert tk._auto_splits(1, 1, 32, 8, 128, 1, table, dev) == 64  # 4 programs an SM
     assert tk._auto_splits(33 * 16, 33, 8, 2, 128, 16, table, dev) < splits
+    # bench_dp's MoE decode at 512 (a dp=4 rank's 128 x 4 KV heads, a tp=4 rank's 512 x 1): 512
+    # programs fill 132 SMs; a split and its merge tripled the kernel's time
+    assert tk._auto_splits(128, 128, 32, 4, 128, 1, 336, dev) == 1
+    assert tk._auto_splits(512, 512, 8, 1, 128, 1, 336, dev) == 1
 
 
 def test_the_warm_up_runs_every_request_bucket_with_and_without_splits(monkeypatch):
@@ -409,7 +415,7 @@ INTERPRETER_CHECKS = {
     "merge_partials_bf16_s2": lambda: check_merge_partials(dtype=torch.bfloat16, S=2),
     "merge_partials_packed_bf16": lambda: check_merge_partials(dtype=torch.bfloat16, D=24,
                                                                packed_dtype=torch.bfloat16),
-    "merge_partials_d72_s70": lambda: check_merge_partials(S=70, D=72),  # D slices, S chunks
+    "merge_partials_d72_s70": lambda: check_merge_partials(S=70, D=72),  # S chunks
     "attention_packed": lambda: check_attention_packed(),
     "bitmask": lambda: check_bitmask(),
     "compile_variants": lambda: check_compile_variants(),
