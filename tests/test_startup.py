@@ -54,5 +54,6 @@ def test_every_rank_reports_its_phases(monkeypatch):
     with LLM("builtin:llama-tiny", device="cpu", tensor_parallel_size=2) as llm:
         ranks = llm.engine.infos[0]["startup"]["ranks"]
         assert list(ranks) == [1]
-        assert [n for n, _ in ranks[1]][:3] == ["process start + imports", "process groups", "weights"]
+        assert [n for n, _ in ranks[1]][:4] == ["process start + imports", "rendezvous", "process groups",
+                                                "weights"]
         assert "; rank 1: process start + imports" in llm.engine.startup

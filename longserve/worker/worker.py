@@ -76,6 +76,7 @@ class Worker:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
             self.init_snapshot = MemorySnapshot.measure(self.device)
+            self.timeline.mark("CUDA context")
         else:
             self.device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
@@ -88,6 +89,7 @@ class Worker:
             dist.init_process_group("nccl" if config.device == "cuda" else "gloo", rank=rank,
                                     world_size=world, timeout=datetime.timedelta(seconds=timeout),
                                     **where)
+            self.timeline.mark("rendezvous")  # rank 0: until the last rank has imported torch
         self.ps = build_parallel_state(config.parallel, rank)
         self.timeline.mark("process groups")
         self.cudagraph_capture_s: float | None = None
