@@ -415,7 +415,7 @@ INTERPRETER_CHECKS = {
     "merge_partials_bf16_s2": lambda: check_merge_partials(dtype=torch.bfloat16, S=2),
     "merge_partials_packed_bf16": lambda: check_merge_partials(dtype=torch.bfloat16, D=24,
                                                                packed_dtype=torch.bfloat16),
-    "merge_partials_d72_s70": lambda: check_merge_partials(S=70, D=72),  # S chunks
+    "merge_partials_d72_s70": lambda: check_merge_partials(S=70, D=72),  # D slices, S chunks
     "attention_packed": lambda: check_attention_packed(),
     "bitmask": lambda: check_bitmask(),
     "compile_variants": lambda: check_compile_variants(),

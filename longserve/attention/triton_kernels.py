@@ -282,10 +282,12 @@ def _merge_splits_kernel(
     num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """A program per (row, head): the weights from all LSEs, then the partials of the splits up to
-    the last non-empty one, CHUNK_S at a time (a short request's splits past its end are skipped)."""
+    """A program per (row, head, BLOCK_D of head_dim): the weights from all LSEs, then the partials
+    of the splits up to the last non-empty one, CHUNK_S at a time (a short request's splits past
+    its end are skipped)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
     lse_row = part_lse_ptr + t * stride_qt + h * stride_qh
     out_row = part_out_ptr + t * stride_pt + h * stride_ph
     s = tl.arange(0, BLOCK_S).to(tl.int64)
@@ -294,7 +296,7 @@ def _merge_splits_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.sum(tl.exp(lse - m), axis=0)  # empty splits weigh 0
     used = tl.max(tl.where(lse > float("-inf"), s + 1, 0), axis=0)  # past the last non-empty split
-    d = tl.arange(0, BLOCK_D)
+    d = d0 + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, used, CHUNK_S):
         sc = (s0 + tl.arange(0, CHUNK_S)).to(tl.int64)
@@ -306,8 +308,9 @@ def _merge_splits_kernel(
     denom_safe = tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / denom_safe).to(out_ptr.dtype.element_ty),
              mask=d < D)
-    tl.store(lse_ptr + t * stride_lt + h * stride_lh,
-             tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
+    if d0 == 0:
+        tl.store(lse_ptr + t * stride_lt + h * stride_lh,
+                 tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -406,18 +409,25 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 
 
 def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
-    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]: a program per (row,
-    head), one variant up to 256 splits (decode) or a variant per CP size (2-16 ranks' partials).
-    128 decodes x 32 heads, 2 splits, H200: attention and merge 90.6 -> 43.8 us against a program
-    per 32 of head_dim walking 64 masked splits a chunk (docs/benchmarks.md)."""
+    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]; one variant up to 256
+    splits (decode) or a variant per CP size (2-16 ranks' partials, a whole head a program). Decode
+    with few rows: 32 of head_dim a program, 64 splits a chunk (one request at 128K, 256 splits);
+    with many: a whole head, 16 splits a chunk (128 decodes x 32 heads, 2 splits, H200: attention
+    and merge 90.6 -> 43.8 us; docs/benchmarks.md)."""
     num_kv_splits, T, Hq, D = o_buf.shape
     few = triton.next_power_of_2(max(num_kv_splits, 2))
-    block_s, chunk_s = (few, few) if cp_ranks else (max(256, few), 8)
-    _merge_splits_kernel[(T, Hq)](
+    block_d = triton.next_power_of_2(D)
+    if cp_ranks:
+        block_s, chunk_s = few, few
+    elif T * Hq < 2 * _num_sms(o_buf.device):
+        block_s, chunk_s, block_d = max(256, few), 64, min(32, block_d)
+    else:
+        block_s, chunk_s = max(256, few), 16
+    _merge_splits_kernel[(T, Hq, triton.cdiv(D, block_d))](
         o_buf, l_buf, out, lse,
         *o_buf.stride()[:3], *l_buf.stride(),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        num_kv_splits, D=D, BLOCK_S=block_s, CHUNK_S=chunk_s, BLOCK_D=triton.next_power_of_2(D),
+        num_kv_splits, D=D, BLOCK_S=block_s, CHUNK_S=chunk_s, BLOCK_D=block_d,
         num_warps=2 if cp_ranks else 4,
     )
 
