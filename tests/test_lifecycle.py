@@ -92,6 +92,17 @@ def test_engines_built_one_after_another(expected):
     assert torch.get_num_threads() == threads  # the driver's own count is back
 
 
+@pytest.mark.timeout(60)
+def test_shutdown_frees_the_kv_cache_a_reference_still_holds():
+    """The next engine checks the device's free memory: a caller's reference to the old engine, or
+    to its caches, must not keep them (a P/D test's second consumer on a GPU failed so)."""
+    llm = LLM("builtin:llama-tiny", device="cpu", max_model_len=512)
+    caches = list(llm.engine.core.executor.driver.runner.kv_cache_dict.values())
+    assert caches and all(c.untyped_storage().nbytes() > 0 for c in caches)
+    llm.shutdown()
+    assert all(c.untyped_storage().nbytes() == 0 for c in caches)
+
+
 @pytest.mark.timeout(120)
 def test_failed_starts_then_a_good_one(monkeypatch, expected):
     monkeypatch.setenv("LONGSERVE_TEST_WORKER_EXIT", "1")  # a worker dies before it joins

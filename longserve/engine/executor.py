@@ -67,10 +67,11 @@ class Executor:
         self.plans: ShmRingBuffer | None = None  # the plan to the spawned workers
         self.port: int | None = None
         self._closing, self._step = False, 0
-        self._threads, self._owns_groups = torch.get_num_threads(), False  # threads: restored at shutdown
+        self._owns_groups, self._threads = False, None
         self._torchrun = self.world > 1 and launched_by_torchrun()
         if self.world > 1 and not self._torchrun:
-            make_room_for_process_group()
+            make_room_for_process_group()  # (first: the engine it shuts down restores its threads)
+        self._threads = torch.get_num_threads()  # restored at shutdown
         self._owns_groups = self.world > 1
         try:
             with self._waiting_for("the engine was starting"):
