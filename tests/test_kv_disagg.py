@@ -201,9 +201,9 @@ def test_producer_dies_or_connection_drops_during_transfer(fault, reference, poo
     monkeypatch.setenv("LONGSERVE_TEST_KV_FAULT", fault)  # the producer inherits it
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 3})
     monkeypatch.delenv("LONGSERVE_TEST_KV_FAULT")
-    try:
-        p = prod.call("prefill", PROMPTS[1])
+    try:  # the consumer first: on a GPU its start outlasts the 3-s lease, and the pull came too late
         with consumer(kvt={"kv_transfer_timeout_s": 3}) as cons:
+            p = prod.call("prefill", PROMPTS[1])
             out = cons.generate([PROMPTS[1]], with_params(p), use_tqdm=False)[0]
             assert out.outputs[0].token_ids == reference[1]  # recomputed, never partial KV
             assert cons.engine.core_stats()["num_prompt_tokens_computed"] == 70
@@ -225,9 +225,9 @@ def test_consumer_stalls_mid_pull(reference, pool_whole, monkeypatch):
     it recomputes; the same pair then serves the next request's pull."""
     prod = Producer(kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 3})
     try:
-        p = prod.call("prefill", PROMPTS[1])
         monkeypatch.setenv("LONGSERVE_TEST_KV_FAULT", "consumer_stall")  # read in the pull
-        with consumer(kvt={"kv_transfer_timeout_s": 3}) as cons:
+        with consumer(kvt={"kv_transfer_timeout_s": 3}) as cons:  # first: see the test above
+            p = prod.call("prefill", PROMPTS[1])
             out = cons.generate([PROMPTS[1]], with_params(p), use_tqdm=False)[0]
             assert out.outputs[0].token_ids == reference[1]  # recomputed, never partial KV
             assert cons.engine.core_stats()["num_prompt_tokens_computed"] == 70
