@@ -17,7 +17,8 @@
 #       pd-transfer  issue 45: the raw transfer against a plain copy, the handover (+ its traces)
 #       cmp-LAYOUT  issue 45: one bench_pd.sh layout of the mixed-workload comparison (cmp-tp4,
 #                cmp-dp2-tp2, cmp-pd-pcp2-tp2, cmp-pd-tp2-tp2; rates $PD_RATES, default 3,5)
-# Each run's log goes to OUT_DIR/PART-*.log; its tables are printed at the end.
+# Each run's log goes to OUT_DIR/PART-*.log; its tables are printed at the end, and OUT_DIR is packed
+# into OUT_DIR.tgz (the lent machines return 8 files of $OUT: give an OUT_DIR outside it, copy the .tgz).
 set -uo pipefail
 part=$1 out=$2
 mkdir -p "$out"
@@ -95,3 +96,4 @@ case $part in
   *) echo "PART: pcp, decode, moe, startup, served, profile, moe-profile, pd-tests, pd-transfer or cmp-LAYOUT" >&2; exit 2 ;;
 esac
 tail -n 12 "$out"/"$part"*.log
+tar czf "${out%/}.tgz" -C "$out" .
