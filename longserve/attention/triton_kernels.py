@@ -283,8 +283,7 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """A program per (row, head, BLOCK_D of head_dim): the weights from all LSEs, then the partials
-    of the splits up to the last non-empty one, CHUNK_S at a time (a short request's splits past
-    its end are skipped)."""
+    up to the last non-empty split, CHUNK_S at a time (a short request's empty splits skipped)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -409,20 +408,16 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 
 
 def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
-    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]; one variant up to 256
-    splits (decode) or a variant per CP size (2-16 ranks' partials, a whole head a program). Decode
-    with few rows: 32 of head_dim a program, 64 splits a chunk (one request at 128K, 256 splits);
-    with many: a whole head, 16 splits a chunk (128 decodes x 32 heads, 2 splits, H200: attention
-    and merge 90.6 -> 43.8 us; docs/benchmarks.md)."""
+    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]: one variant up to 256
+    splits (decode: a whole head a program, or 32 of head_dim when rows are few) or per CP size
+    (2-16 ranks' partials); the measurements in docs/benchmarks.md (twelfth session)."""
     num_kv_splits, T, Hq, D = o_buf.shape
     few = triton.next_power_of_2(max(num_kv_splits, 2))
-    block_d = triton.next_power_of_2(D)
+    block_s, chunk_s, block_d = max(256, few), 16, triton.next_power_of_2(D)
     if cp_ranks:
         block_s, chunk_s = few, few
-    elif T * Hq < 2 * _num_sms(o_buf.device):
-        block_s, chunk_s, block_d = max(256, few), 64, min(32, block_d)
-    else:
-        block_s, chunk_s = max(256, few), 16
+    elif T * Hq < 2 * _num_sms(o_buf.device):  # one request at 128K: 256 splits over 8 heads
+        chunk_s, block_d = 64, min(32, block_d)
     _merge_splits_kernel[(T, Hq, triton.cdiv(D, block_d))](
         o_buf, l_buf, out, lse,
         *o_buf.stride()[:3], *l_buf.stride(),

@@ -232,11 +232,9 @@ def attach_symmetric_memory(groups: list[GroupCoordinator], device: torch.device
 
 
 def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
-    """Create every group; all ranks must call this in the same order (new_group is collective).
-    A rank list has one device group whatever kinds share it (the whole world's is the default
-    group: each NCCL communicator costs 0.3-0.9 s at its first collective, 4 x H200) and a rank alone
-    none. Every collective is bounded by `distributed_timeout_s` (new_group's own default is gloo's
-    30 minutes), except the plan channel (`world`'s cpu_group, see IDLE_TIMEOUT)."""
+    """Create every group, all ranks in the same order (new_group is collective): one device group a
+    rank list (the world's: the default group; a communicator's first collective costs 0.3-0.9 s),
+    none for a rank alone. Collectives are bounded by `distributed_timeout_s`, the plan channel by IDLE_TIMEOUT."""
     layout = RankLayout(cfg.tensor_parallel_size, cfg.prefill_context_parallel_size,
                         cfg.decode_context_parallel_size, cfg.data_parallel_size, rank)
     if cfg.world_size == 1:
