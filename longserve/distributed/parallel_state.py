@@ -234,7 +234,7 @@ def attach_symmetric_memory(groups: list[GroupCoordinator], device: torch.device
 def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
     """Create every group, all ranks in the same order (new_group is collective): one device group a
     rank list (the world's: the default group; a communicator's first collective costs 0.3-0.9 s),
-    none for a rank alone. Collectives are bounded by `distributed_timeout_s`, the plan channel by IDLE_TIMEOUT."""
+    none for a rank alone. Collectives: `distributed_timeout_s`; the plan channel: IDLE_TIMEOUT."""
     layout = RankLayout(cfg.tensor_parallel_size, cfg.prefill_context_parallel_size,
                         cfg.decode_context_parallel_size, cfg.data_parallel_size, rank)
     if cfg.world_size == 1:
