@@ -103,6 +103,22 @@ def test_shutdown_frees_the_kv_cache_a_reference_still_holds():
     assert all(c.untyped_storage().nbytes() == 0 for c in caches)
 
 
+@pytest.mark.timeout(60)
+def test_shutdown_frees_no_memory_under_a_running_step():
+    """A step that still runs on another thread (one never ending, say) keeps its memory."""
+    llm = LLM("builtin:llama-tiny", device="cpu", max_model_len=512)
+    executor, release = llm.engine.core.executor, threading.Event()
+    caches = list(executor.driver.runner.kv_cache_dict.values())
+    holder = threading.Thread(target=lambda: executor._in_step("a test step", release.wait, 30))
+    holder.start()
+    try:
+        llm.shutdown()
+        assert all(c.untyped_storage().nbytes() > 0 for c in caches)
+    finally:
+        release.set()
+        holder.join()
+
+
 @pytest.mark.timeout(120)
 def test_failed_starts_then_a_good_one(monkeypatch, expected):
     monkeypatch.setenv("LONGSERVE_TEST_WORKER_EXIT", "1")  # a worker dies before it joins

@@ -67,6 +67,7 @@ class Executor:
         self.plans: ShmRingBuffer | None = None  # the plan to the spawned workers
         self.port: int | None = None
         self._closing, self._step = False, 0
+        self._step_lock = threading.RLock()  # held in a step: teardown frees no memory under one
         self._owns_groups, self._threads = False, None
         self._torchrun = self.world > 1 and launched_by_torchrun()
         if self.world > 1 and not self._torchrun:
@@ -195,7 +196,7 @@ class Executor:
 
     def _in_step(self, what: str, fn, *args):
         """fn(*args) inside a launched step: a failure stops the ranks (they fell out of step)."""
-        with defer_interrupt():
+        with defer_interrupt(), self._step_lock:
             try:
                 with self._waiting_for(what):
                     return fn(*args)
@@ -242,7 +243,12 @@ class Executor:
         if not peers_present:
             kill_and_reap(self.procs)
         if self.driver is not None:  # first: NCCL frees a communicator once no CUDA graph holds it
-            self.driver.close()
+            idle = self._step_lock.acquire(timeout=1.0)  # else a step runs on another thread
+            try:
+                self.driver.close(release=idle)
+            finally:
+                if idle:
+                    self._step_lock.release()
         if self._owns_groups:
             close_process_groups(peers_present)
         if self.driver is not None:

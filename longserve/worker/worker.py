@@ -148,16 +148,18 @@ class Worker:
         self.trace.after_step()
         return result.resolve() if resolve and result is not None else result
 
-    def close(self) -> None:
+    def close(self, release: bool = True) -> None:
         """Drop the model, KV cache and graphs so the device memory is free for the next engine
-        (and no graph holds an NCCL communicator: see close_process_groups)."""
+        (and no graph holds an NCCL communicator: see close_process_groups); `release`: free the
+        memory now (not while a step on another thread uses it)."""
         if self.runner is not None and hasattr(self.runner.kv_connector, "close"):
             self.runner.kv_connector.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no replay in flight while its graph goes
         if self.runner is not None:  # the graphs go now even if something still holds the runner
             self.runner.graphs = self.runner.piecewise = None
-            release_memory(self.runner)
+            if release:
+                release_memory(self.runner)
         self.runner = self.ps = None
         gc.collect()
         if self.device.type == "cuda":
