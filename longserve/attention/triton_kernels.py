@@ -319,10 +319,8 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# A decode step waits for its slowest program: in a batch that leaves the GPU idle, a request as
-# long as the table allows gets splits of <= LONG_SPLIT tokens (a 128K request among 32 short ones
-# had 4 splits of 32K, and the step took 25 ms at tp=4 where batch 1 takes 4). Short requests keep
-# shares of >= MIN_SPLIT tokens, so most of their splits are empty and cost a launch, no bytes.
+# A decode step waits for its slowest program (a 128K request among 32 short ones in 4 splits: 25 ms
+# a step at tp=4, batch 1 takes 4); short requests' shares >= MIN_SPLIT: most of their splits empty
 LONG_SPLIT, MIN_SPLIT = 2048, 256
 SPLIT_BUFFER_BYTES = 64 << 20  # the float32 partials [splits, T, Hq, D] of a call, at most
 

@@ -244,11 +244,9 @@ class Executor:
             kill_and_reap(self.procs)
         if self.driver is not None:  # first: NCCL frees a communicator once no CUDA graph holds it
             idle = self._step_lock.acquire(timeout=1.0)  # else a step runs on another thread
-            try:
-                self.driver.close(release=idle)
-            finally:
-                if idle:
-                    self._step_lock.release()
+            self.driver.close(release=idle)  # (held if it raises: no step may start anyway)
+            if idle:
+                self._step_lock.release()
         if self._owns_groups:
             close_process_groups(peers_present)
         if self.driver is not None:
