@@ -1,6 +1,7 @@
 """One process per rank: join the process groups, load the model, size the KV cache, run steps."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -173,7 +174,8 @@ def release_memory(runner) -> None:
     if runner.device.type == "cuda":
         tensors += [*runner.model.parameters(), *runner.model.buffers()]
     for t in tensors:
-        t.untyped_storage().resize_(0)
+        with contextlib.suppress(RuntimeError):  # a storage not resizable (e.g. borrowed): left to gc
+            t.untyped_storage().resize_(0)
 
 
 def exit_with_parent(poll_s: float = 0.5) -> None:
