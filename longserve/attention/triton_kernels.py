@@ -340,10 +340,8 @@ def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.de
 
 def _auto_splits(T: int, R: int, Hq: int, Hkv: int, D: int, BLOCK_Q: int, max_context: int,
                  device: torch.device) -> int:
-    """A decode batch of several requests whose programs alone leave the GPU idle also splits for
-    its longest (shares <= LONG_SPLIT); one that fills the GPU keeps one split (split by length,
-    256 x 1K decodes took 1.4x as long: empty programs and the merge, H200; the cost a long request
-    pays there is in docs/benchmarks.md)."""
+    """A decode batch of several requests whose programs leave room for a second wave also splits
+    for its longest (shares <= LONG_SPLIT); one that fills the GPU does not (docs/benchmarks.md)."""
     busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
     few = 4 * _num_sms(device) // busy > 1  # room for a second wave of programs
     long_split = LONG_SPLIT if BLOCK_Q == 1 and few and R > 1 else 0

@@ -239,22 +239,20 @@ def build_parallel_state(cfg: ParallelConfig, rank: int) -> ParallelState:
                         cfg.decode_context_parallel_size, cfg.data_parallel_size, rank)
     if cfg.world_size == 1:
         return single_rank_state()
-    mine, made, timeout = {}, {}, datetime.timedelta(seconds=cfg.distributed_timeout_s)
+    mine, device_groups, cpu_groups = {}, {}, {}
+    world, timeout = tuple(range(cfg.world_size)), datetime.timedelta(seconds=cfg.distributed_timeout_s)
     for kind, lists in group_ranks(cfg).items():
         for ranks in lists:
-            if len(ranks) == 1:  # the size-1 paths touch no group
-                if rank in ranks:
-                    mine[kind] = GroupCoordinator(ranks, rank)
-                continue
             key, plan = tuple(ranks), kind == "model"
-            if key not in made:
-                made[key] = (dist.group.WORLD if ranks == list(range(cfg.world_size))
-                             else dist.new_group(ranks, timeout=timeout))
-            if (key, plan) not in made:
-                made[key, plan] = dist.new_group(ranks, backend="gloo",
-                                                 timeout=IDLE_TIMEOUT if plan else timeout)
+            if len(ranks) > 1 and key not in device_groups:  # (the size-1 paths touch no group)
+                device_groups[key] = (dist.group.WORLD if key == world
+                                      else dist.new_group(ranks, timeout=timeout))
+            if len(ranks) > 1 and (key, plan) not in cpu_groups:
+                cpu_groups[key, plan] = dist.new_group(ranks, backend="gloo",
+                                                       timeout=IDLE_TIMEOUT if plan else timeout)
             if rank in ranks:
-                mine[kind] = GroupCoordinator(ranks, rank, made[key], made[key, plan])
+                mine[kind] = GroupCoordinator(ranks, rank, device_groups.get(key),
+                                              cpu_groups.get((key, plan)))
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
         attach_symmetric_memory([mine[k] for k in ("tp", "pcp", "dcp", "cp")], device)

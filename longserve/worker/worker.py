@@ -170,7 +170,7 @@ class Worker:
 def release_memory(runner) -> None:
     """Free the KV caches (on a GPU the weights too) whatever still holds them: an engine's objects
     may outlive it (a caller's reference, a thread); the next engine checks the free memory."""
-    tensors = list(getattr(runner, "kv_cache_dict", {}).values())
+    tensors = list(runner.kv_cache_dict.values())
     if runner.device.type == "cuda":
         tensors += [*runner.model.parameters(), *runner.model.buffers()]
     for t in tensors:
