@@ -42,7 +42,7 @@ def timed(acc: dict, part: str, fn):
 
 
 def instrument(core, front, acc: dict) -> None:
-    from longserve.engine.messages import EngineCoreOutputs, decode_outputs, encode
+    from longserve.engine.messages import decode_outputs, encode
     from longserve.worker import model_runner as mr
     runner, sched = core.executor.driver.runner, core.scheduler
     sched.schedule = timed(acc, "schedule", sched.schedule)
@@ -64,7 +64,7 @@ def instrument(core, front, acc: dict) -> None:
     outputs = core._outputs
 
     def wire(out, finished):  # the core's deltas, through the socket's encoding to the front end
-        return decode_outputs(encode(EngineCoreOutputs(0, outputs(out, finished)))).outputs
+        return decode_outputs(encode(outputs(out, finished)))
     core._outputs = timed(acc, "outputs", wire)
     front.process = timed(acc, "front", front.process)
 

@@ -68,3 +68,21 @@ def test_two_api_servers_dp2_match_one_rank_sum_metrics_and_stop_on_sigterm(smol
         assert wait_gone(tree, timeout=5) and time.monotonic() - stopped < 5
     finally:
         server.stop()
+
+
+def test_a_steps_outputs_reach_only_the_front_end_that_sent_each_request():
+    """Owners.route splits one step's message (its columns and its per-request outputs) by front
+    end: an aborted request's token goes nowhere, an ended request is forgotten."""
+    from longserve.engine.core_proc import Owners
+    from longserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, decode_outputs, encode
+    owners = Owners(2)
+    owners.add(["a", "b"], 0)
+    owners.add(["c", "d"], 1)
+    owners.drop(["b"])  # aborted by its front end while the step ran
+    msg = EngineCoreOutputs(0, [EngineCoreOutput("d", [9], finish_reason="length")],
+                            token_req_ids=["a", "b", "c"], token_ids=[1, 2, 3])
+    parts = [decode_outputs(encode(p)) for p in owners.route(msg)]
+    assert [(p.token_req_ids, p.token_ids) for p in parts] == [(["a"], [1]), (["c"], [3])]
+    assert [[o.request_id for o in p.outputs] for p in parts] == [[], ["d"]]
+    assert [(o.request_id, o.new_token_ids) for o in parts[1].per_request()] == [("c", [3]), ("d", [9])]
+    assert owners.of == {"a": 0, "c": 1}

@@ -182,7 +182,7 @@ def test_bad_grammar_is_refused_at_the_door_and_nothing_is_queued(llm, pool_whol
             structured_outputs=SO(regex="(open")).canonical()))
         outs = []
         while core.has_work():
-            outs += core.step()
+            outs += core.step().per_request()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
     assert "structured_outputs.regex" in outs[0].error
     pool_whole(llm)

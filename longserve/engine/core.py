@@ -1,6 +1,6 @@
 """EngineCore: one DP rank's scheduler, KV cache manager and executor. `step()` plans, launches
-and applies the previous step (asynchronous scheduling) and returns each request's
-`EngineCoreOutput`s; requests arrive validated and tokenized, and text is the front end's."""
+and applies the previous step (asynchronous scheduling) and returns its EngineCoreOutputs (the
+plain tokens as columns, the rest per request); requests arrive validated and tokenized, and text is the front end's."""
 from __future__ import annotations
 
 import time
@@ -9,7 +9,7 @@ from collections import deque
 from longserve.config import EngineConfig
 from longserve.engine.executor import Executor
 from longserve.engine.kv_cache_manager import KVCacheManager
-from longserve.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from longserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from longserve.engine.request import Request
 from longserve.engine.scheduler import Scheduler
 from longserve.engine.structured_output import StructuredOutputManager
@@ -95,14 +95,14 @@ class EngineCore:
                 or self.scheduler.has_kv_transfers() or bool(self.structured.compiling))
 
     # ---- the loop ---------------------------------------------------------------------
-    def step(self, lockstep: bool = False) -> list[EngineCoreOutput]:
+    def step(self, lockstep: bool = False) -> EngineCoreOutputs:
         """One scheduled step; `lockstep`: expert DP ranks run a forward every step (a dummy if idle)."""
         t, self._waited = time.perf_counter(), 0.0
         failed = self._admit_compiled()
         out = self.scheduler.schedule()
         outputs = self._step(out, lockstep)
         if failed:
-            outputs += self._outputs(SchedulerOutput(), failed)
+            outputs.add(self._outputs(SchedulerOutput(), failed))
         if out.decodes.req_ids and not out.requests:  # decode only: its period (benchmarks)
             self.decode_steps.append((out.num_tokens, time.perf_counter() - t, self._waited))
         return outputs
@@ -131,7 +131,7 @@ class EngineCore:
             mask, self._mask = self._mask.result(), None
             pending.sample(mask)
 
-    def _step(self, out, lockstep: bool) -> list[EngineCoreOutput]:
+    def _step(self, out, lockstep: bool) -> EngineCoreOutputs:
         transfers = self.scheduler.has_kv_transfers()
         idle = out.is_empty and not out.finished_req_ids and not transfers and not lockstep
         if self.config.scheduler.async_scheduling:
@@ -146,17 +146,18 @@ class EngineCore:
         self._sample_masked(pending)
         return self._apply(out, pending.result())
 
-    def _step_async(self, out, idle: bool) -> list[EngineCoreOutput]:
+    def _step_async(self, out, idle: bool) -> EngineCoreOutputs:
         """Launch step N+1, then apply step N's sampled ids: the host plans N+1 while the device runs N."""
         if self._in_flight is not None:
             self._sample_masked(self._in_flight[1])
         launched = None if idle else (out, self.executor.execute_async(out))
         previous, self._in_flight = self._in_flight, launched
-        outputs = [] if previous is None else self._apply(previous[0], self._result(previous[1]))
+        outputs = EngineCoreOutputs(self.engine_index) if previous is None else \
+            self._apply(previous[0], self._result(previous[1]))
         if launched is not None:  # after step N is applied: its tokens advanced the matchers
             self._start_mask(*launched)
         else:  # any finished while planning
-            outputs += self._outputs(out, self.scheduler.update_from_output(out, {}))
+            outputs.add(self._outputs(out, self.scheduler.update_from_output(out, {})))
         return outputs
 
     def _result(self, pending):
@@ -167,14 +168,15 @@ class EngineCore:
         self._waited += time.perf_counter() - t
         return result
 
-    def drain(self) -> list[EngineCoreOutput]:
+    def drain(self) -> EngineCoreOutputs:
         """Apply the step in flight, if any (an idle lockstep rank's last dummy step)."""
         if self._in_flight is not None:
             self._sample_masked(self._in_flight[1])
         previous, self._in_flight = self._in_flight, None
-        return [] if previous is None else self._apply(previous[0], previous[1].result())
+        return EngineCoreOutputs(self.engine_index) if previous is None else \
+            self._apply(previous[0], previous[1].result())
 
-    def _apply(self, out, result) -> list[EngineCoreOutput]:
+    def _apply(self, out, result) -> EngineCoreOutputs:
         if result is None:  # a dummy step
             return self._outputs(out, self.scheduler.update_from_output(out, {}))
         kv_out = result.kv_connector_output
@@ -183,18 +185,27 @@ class EngineCore:
                                                      result.prompt_logprobs)
         return self._outputs(out, failed + finished)
 
-    def _outputs(self, out, finished: list[Request]) -> list[EngineCoreOutput]:
+    def _outputs(self, out, finished: list[Request]) -> EngineCoreOutputs:
         """What each sampling request of the applied plan gained (a token at most: nothing when
-        it was applied without results), then every finished request's end."""
-        outputs, requests, num_sent = [], self.scheduler.requests, self._num_sent
+        it was applied without results), then every finished request's end. One plain token
+        (no logprobs) goes in the message's columns: most of a decode step."""
+        msg = EngineCoreOutputs(self.engine_index)
+        ids, tokens, outputs = msg.token_req_ids, msg.token_ids, msg.outputs
+        requests, num_sent = self.scheduler.requests, self._num_sent
         ended = {r.request_id for r in finished}
         for req_id in out.sampling_req_ids():
             req, sent = requests.get(req_id), num_sent.get(req_id)
-            if req is not None and sent is not None and len(req.output_token_ids) > sent \
-                    and req_id not in ended:  # (else aborted meanwhile, or ending below)
+            if req is None or sent is None or req_id in ended:
+                continue  # aborted meanwhile, or ending below
+            new, params = req.output_token_ids, req.sampling_params
+            if len(new) == sent + 1 and params.logprobs is None and (sent or params.prompt_logprobs is None):
+                ids.append(req_id)
+                tokens.append(new[sent])
+                num_sent[req_id] = sent + 1
+            elif len(new) > sent:
                 outputs.append(self._output(req, sent, False))
-        return outputs + [self._output(r, num_sent[r.request_id], True)
-                          for r in finished if r.request_id in num_sent]
+        outputs += [self._output(r, num_sent[r.request_id], True) for r in finished if r.request_id in num_sent]
+        return msg
 
     def _output(self, req: Request, sent: int, finished: bool) -> EngineCoreOutput:
         params, new = req.sampling_params, req.output_token_ids[sent:]

@@ -48,12 +48,16 @@ class Owners:
     def route(self, msg: EngineCoreOutputs) -> list[EngineCoreOutputs]:
         """One message per front end: its requests' outputs (a request ended in its core is
         forgotten), and the rest of `msg` for all."""
-        parts = [[] for _ in range(self.n)]
+        parts = [([], [], []) for _ in range(self.n)]  # (outputs, token_req_ids, token_ids)
         for o in msg.outputs:
             k = self.of.pop(o.request_id, None) if o.finish_reason else self.of.get(o.request_id)
             if k is not None:  # None: aborted by its front end meanwhile
-                parts[k].append(o)
-        return [msgspec.structs.replace(msg, outputs=p) for p in parts]
+                parts[k][0].append(o)
+        for rid, token in zip(msg.token_req_ids, msg.token_ids):
+            if (k := self.of.get(rid)) is not None:
+                parts[k][1].append(rid)
+                parts[k][2].append(token)
+        return [msgspec.structs.replace(msg, outputs=o, token_req_ids=r, token_ids=t) for o, r, t in parts]
 
 
 class EngineCoreProc:
@@ -75,10 +79,11 @@ class EngineCoreProc:
                 if applied:  # e.g. an abort while idle freed blocks: the front end's view
                     self.emit(EngineCoreOutputs(self.index, stats=self._stats()))
                 continue
-            outputs = self.core.step(lockstep=self.lockstep)
+            msg = self.core.step(lockstep=self.lockstep)
             if self.lockstep:
-                outputs += self._end_of_wave_check()
-            self.emit(EngineCoreOutputs(self.index, outputs, self._stats()))
+                msg.add(self._end_of_wave_check())
+            msg.stats = self._stats()
+            self.emit(msg)
 
     def _stats(self):
         stats = self.core.scheduler_stats()
@@ -133,10 +138,10 @@ class EngineCoreProc:
         except Exception as e:
             return UtilityResult(call_id, error=f"{type(e).__name__}: {e}")
 
-    def _end_of_wave_check(self) -> list:
+    def _end_of_wave_check(self) -> EngineCoreOutputs:
         """After every lockstep iteration: does any DP rank still have work? If not, all stop."""
         if self.core.dp_any_unfinished():
-            return []
+            return EngineCoreOutputs(self.index)
         outputs = self.core.drain()  # this iteration's dummy step
         self.wave_running, self.wave = False, self.wave + 1
         self.stopping = self.stop_after_wave

@@ -193,8 +193,8 @@ class LLMEngine:
         """On the client's reader thread: one core's step."""
         if msg.stats is not None:
             self.coordinator.on_stats(msg.engine_index, msg.stats)
-        if msg.outputs:
-            stopped = self.output.process(msg.outputs)
+        if msg.outputs or msg.token_ids:
+            stopped = self.output.process(msg)
             if stopped:  # a stop string ended them here: their core frees their blocks
                 self.client.abort(msg.engine_index, stopped)
         if msg.wave_started is not None:

@@ -73,6 +73,21 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     wave_started: int | None = None  # this core began wave N (the others must join)
     wave_finished: int | None = None  # every core ended wave N together (DP rank 0 says so)
     failed: str | None = None  # the core is going down: why
+    # requests that gained one token and nothing else (no logprobs, not ended), as two columns:
+    # most of a decode step, without a struct (and its Python) a request
+    token_req_ids: list[str] = []
+    token_ids: list[int] = []
+
+    def add(self, other: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Join another part of the same step's outputs (columns first, then `outputs`)."""
+        self.token_req_ids += other.token_req_ids
+        self.token_ids += other.token_ids
+        self.outputs += other.outputs
+        return self
+
+    def per_request(self) -> list[EngineCoreOutput]:
+        """Every request's delta as an EngineCoreOutput (readers off the hot path, tests)."""
+        return [EngineCoreOutput(r, [t]) for r, t in zip(self.token_req_ids, self.token_ids)] + self.outputs
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -12,8 +12,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from longserve.engine.detokenizer import IncrementalDetokenizer, find_stop
-from longserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+from longserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from longserve.engine.request import CompletionOutput, RequestOutput
+
+PLAIN = EngineCoreOutput("", [])  # what a column entry says besides its token: nothing
 
 
 class EngineDeadError(RuntimeError):
@@ -142,17 +144,18 @@ class OutputProcessor:
             self._states[request.request_id] = state
             self._choices.update((cid, (state, c)) for cid, c in zip(request.choice_ids, choices))
 
-    def process(self, outputs: list[EngineCoreOutput]) -> list[str]:
+    def process(self, msg: EngineCoreOutputs) -> list[str]:
         """Apply one step's outputs of a core; returns the choices a stop string ended here (to abort)."""
         now, deliveries, stopped = time.perf_counter(), [], []
+        entries = [(rid, (t,), PLAIN) for rid, t in zip(msg.token_req_ids, msg.token_ids)]
         with self._lock:
-            for o in outputs:
-                state, choice = self._choices.get(o.request_id, (None, None))
+            for rid, new, o in entries + [(o.request_id, o.new_token_ids, o) for o in msg.outputs]:
+                state, choice = self._choices.get(rid, (None, None))
                 if state is None:
                     continue  # ended here already (stop string, abort)
-                if self._update(state, choice, o, now):
+                if self._update(state, choice, new, o, now):
                     if o.finish_reason is None:
-                        stopped.append(o.request_id)
+                        stopped.append(rid)
                     deliveries.append(self._finish(state, choice, o, now))
                 elif state.streams and choice.num_sent < len(choice.output_token_ids):
                     text, upto = choice.detokenizer.text, len(choice.detokenizer.text) - state.holdback
@@ -161,15 +164,16 @@ class OutputProcessor:
         _deliver([d for d in deliveries if d[1] is not None])
         return stopped
 
-    def _update(self, state: RequestState, choice: Choice, o: EngineCoreOutput, now: float) -> bool:
+    def _update(self, state: RequestState, choice: Choice, new_ids: list[int], o: EngineCoreOutput,
+                now: float) -> bool:
         """Take the new tokens in; True when the choice ended (in its core or by a stop string)."""
-        choice.output_token_ids += o.new_token_ids
+        choice.output_token_ids += new_ids
         if o.new_logprobs:
             choice.logprobs += o.new_logprobs
         if o.prompt_logprobs is not None:
             state.prompt_ranks = [None] + [rank for rank, _ in o.prompt_logprobs]
             state.prompt_logprobs = [None] + [entry for _, entry in o.prompt_logprobs]
-        self._count_tokens(state, choice, len(o.new_token_ids), now)
+        self._count_tokens(state, choice, len(new_ids), now)
         if choice.detokenizer is None:
             return o.finish_reason is not None
         new = choice.detokenizer.update(choice.output_token_ids)
