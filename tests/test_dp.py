@@ -291,3 +291,37 @@ def test_coordinated_steps_replay_the_graph_that_holds_them():
     assert step(1, False, dummy=True) == ("graph", True, 1)
     assert step(3, False) == ("eager", 3)  # a prefill
     assert step(9, True) == ("eager", 9)  # no graph that large
+
+
+def test_lockstep_cores_ask_whether_the_wave_is_over_every_32_steps_only():
+    """The wave's end check (an all-reduce over the DP cores) runs every WAVE_CHECK_EVERY-th
+    lockstep iteration, counted from the wave's start; a wave ends at the first check that finds
+    no work anywhere, and the next wave counts afresh."""
+    import queue
+    from types import SimpleNamespace
+    from longserve.engine.core_proc import WAVE_CHECK_EVERY, EngineCoreProc
+    from longserve.engine.messages import EngineCoreOutputs
+    checks, work = [], [True]
+
+    class Core(SimpleNamespace):
+        def dp_any_unfinished(self):
+            checks.append(proc.wave_steps)
+            return work[0]
+
+        def drain(self):
+            return EngineCoreOutputs(1)
+
+    emitted = []
+    proc = EngineCoreProc(Core(engine_index=1, config=SimpleNamespace(dp_lockstep=True)),
+                          queue.Queue(), emitted.append)
+    proc.wave_running = True
+    for _ in range(2 * WAVE_CHECK_EVERY):
+        proc._end_of_wave_check()
+    assert checks == [WAVE_CHECK_EVERY, 2 * WAVE_CHECK_EVERY] and proc.wave_running
+    work[0] = False
+    steps = 0
+    while proc.wave_running:
+        proc._end_of_wave_check()
+        steps += 1
+    assert steps == WAVE_CHECK_EVERY and (proc.wave, proc.wave_steps) == (1, 0)
+    assert emitted == []  # (core 0 announces the end)
