@@ -24,7 +24,9 @@ def make_pair_group(store: dist.Store, key: str, rank: int, device: torch.device
     prefix = dist.PrefixStore(f"pair/{key}", store)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = td(timeout_s)
+        # NCCL's watchdog ends the whole process ~60 s after an op outlives this timeout: it must
+        # never beat this side's own wait (<= timeout_s), which gives up and aborts the group
+        opts._timeout = td(2 * timeout_s + 10)
         group = dist.ProcessGroupNCCL(prefix, rank, 2, opts)
     else:
         group = dist.ProcessGroupGloo(prefix, rank, 2, td(timeout_s))
