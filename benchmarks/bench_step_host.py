@@ -10,7 +10,8 @@ the engine's functions split each decode-only step (median over steps, ms):
   forward  : the model (not host work on a GPU: the tiny model's CPU time, shown apart)
   sample   : sampling (on a GPU mostly a launch; here the tiny vocab's CPU time)
   apply    : Scheduler.update_from_output (sampled ids in, stop checks, prefix cache)
-  outputs  : the core's per-request deltas (EngineCore._outputs) and their msgpack round trip
+  outputs  : the step's outputs (EngineCore._outputs: plain tokens as columns, the rest a
+             struct a request) and their msgpack round trip
   front    : OutputProcessor.process (detokenizing, stop strings, stream deltas)
   other    : the rest of the step (the executor's and the runner's own code)
   host     : the step but forward and sample: the per-step host work that bounds a multi-GPU step
