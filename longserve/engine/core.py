@@ -1,6 +1,7 @@
 """EngineCore: one DP rank's scheduler, KV cache manager and executor. `step()` plans, launches
 and applies the previous step (asynchronous scheduling) and returns its EngineCoreOutputs (the
-plain tokens as columns, the rest per request); requests arrive validated and tokenized, and text is the front end's."""
+plain tokens as columns, the rest per request); requests arrive validated and tokenized, and
+text is the front end's."""
 from __future__ import annotations
 
 import time
@@ -204,7 +205,8 @@ class EngineCore:
                 num_sent[req_id] = sent + 1
             elif len(new) > sent:
                 outputs.append(self._output(req, sent, False))
-        outputs += [self._output(r, num_sent[r.request_id], True) for r in finished if r.request_id in num_sent]
+        outputs += [self._output(r, num_sent[r.request_id], True)
+                    for r in finished if r.request_id in num_sent]
         return msg
 
     def _output(self, req: Request, sent: int, finished: bool) -> EngineCoreOutput:
