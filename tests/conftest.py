@@ -11,6 +11,13 @@ os.environ.setdefault("LONGSERVE_CACHE", os.path.join(tempfile.gettempdir(), "lo
 os.environ.setdefault("LONGSERVE_ENABLE_MULTIPROCESSING", "0")
 
 
+def per_request(msg) -> list:
+    """Every request's delta of one core message (EngineCoreOutputs: the columns, then the rest)
+    as an EngineCoreOutput."""
+    from longserve.engine.messages import EngineCoreOutput
+    return [EngineCoreOutput(r, [t]) for r, t in zip(msg.token_req_ids, msg.token_ids)] + msg.outputs
+
+
 def assert_pool_whole(llm):
     """Every block of every engine core (one per DP rank) is back in the pool, no request left."""
     for state in llm.engine.pool_states():

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import per_request
 from longserve import LLM, SamplingParams
 from server_utils import Server, concurrently, descendants, wait_gone
 
@@ -84,5 +85,5 @@ def test_a_steps_outputs_reach_only_the_front_end_that_sent_each_request():
     parts = [decode_outputs(encode(p)) for p in owners.route(msg)]
     assert [(p.token_req_ids, p.token_ids) for p in parts] == [(["a"], [1]), (["c"], [3])]
     assert [[o.request_id for o in p.outputs] for p in parts] == [[], ["d"]]
-    assert [(o.request_id, o.new_token_ids) for o in parts[1].per_request()] == [("c", [3]), ("d", [9])]
+    assert [(o.request_id, o.new_token_ids) for o in per_request(parts[1])] == [("c", [3]), ("d", [9])]
     assert owners.of == {"a": 0, "c": 1}

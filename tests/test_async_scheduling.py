@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import per_request
 from longserve import LLM, SamplingParams
 from longserve.engine.request import Request
 from longserve.engine import executor as executor_mod
@@ -101,12 +102,12 @@ def test_abort_while_a_step_is_in_flight(pair, pool_whole):
         for r in reqs:
             core.add_request(r)
         for _ in range(4):
-            collect(core.step().per_request(), tokens)
+            collect(per_request(core.step()), tokens)
         aborted = core.scheduler.requests[reqs[3].request_id]
         assert core._in_flight is not None and aborted.num_output_placeholders > 0
         core.abort_requests([reqs[3].request_id])  # decoding, its next token still on the device
         while core.has_work():
-            collect(core.step().per_request(), tokens)
+            collect(per_request(core.step()), tokens)
     assert aborted.finish_reason == "abort"
     assert [tokens[r.request_id] for r in reqs[:3]] == want
     pool_whole(asyn)
@@ -147,7 +148,7 @@ def test_an_id_used_again_samples_with_its_new_parameters(pair):
             core.add_request(req)
             outputs = []
             while core.has_work():
-                outputs += core.step().per_request()
+                outputs += per_request(core.step())
             got.append([o.new_logprobs for o in outputs if o.new_token_ids])
     assert all(lp is None for lp in got[0]) and all(lp and len(lp[0]) >= 1 for lp in got[1])
 

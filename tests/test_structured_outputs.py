@@ -17,6 +17,7 @@ import uvicorn
 from hypothesis import given, settings, strategies as st
 from pydantic import BaseModel
 
+from conftest import per_request
 from longserve import LLM, SamplingParams
 from longserve.engine.executor import free_port
 from longserve.engine.messages import ADD, EngineCoreRequest, decode_command, encode
@@ -182,7 +183,7 @@ def test_bad_grammar_is_refused_at_the_door_and_nothing_is_queued(llm, pool_whol
             structured_outputs=SO(regex="(open")).canonical()))
         outs = []
         while core.has_work():
-            outs += core.step().per_request()
+            outs += per_request(core.step())
     assert [(o.request_id, o.finish_reason) for o in outs] == [("bad", "error")]
     assert "structured_outputs.regex" in outs[0].error
     pool_whole(llm)

@@ -85,10 +85,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
         self.outputs += other.outputs
         return self
 
-    def per_request(self) -> list[EngineCoreOutput]:
-        """Every request's delta as an EngineCoreOutput (readers off the hot path, tests)."""
-        return [EngineCoreOutput(r, [t]) for r, t in zip(self.token_req_ids, self.token_ids)] + self.outputs
-
 
 encode = msgspec.msgpack.Encoder().encode
 decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
