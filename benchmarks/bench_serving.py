@@ -125,7 +125,8 @@ def decode_step_time(llm, vocab: int, ctx: int) -> float:
 # ---- the server ----------------------------------------------------------------------
 def front_end_cpu_s(pid: int | None) -> float:
     """CPU seconds (user + system) of the server's front-end processes: `pid` and its
-    descendants, less the engine cores (`-m longserve.engine`) and theirs."""
+    descendants, less the engine cores (spawned: `-m longserve.engine`; forked: named
+    longserve-core) and theirs."""
     if pid is None:
         return 0.0
     kids: dict[int, list[int]] = {}
@@ -139,8 +140,8 @@ def front_end_cpu_s(pid: int | None) -> float:
     while todo:
         p = todo.pop()
         try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"longserve.engine\x00" in f.read():
+            with open(f"/proc/{p}/cmdline", "rb") as f, open(f"/proc/{p}/comm") as g:
+                if b"longserve.engine\x00" in f.read() or g.read().startswith("longserve-core"):
                     continue
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()

@@ -17,6 +17,7 @@ import time
 
 LAYOUTS = {"1": {}, "tp2": dict(tensor_parallel_size=2), "tp4": dict(tensor_parallel_size=4),
            "pcp2": dict(prefill_context_parallel_size=2), "pcp4": dict(prefill_context_parallel_size=4),
+           "dp2-ep": dict(data_parallel_size=2, enable_expert_parallel=True),
            "dp4-ep": dict(data_parallel_size=4, enable_expert_parallel=True)}
 CHILD = r"""
 import json, logging, os, sys, time

@@ -1,5 +1,6 @@
 """`longserve serve` as a subprocess (engine cores as processes of their own), and its process tree."""
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,26 @@ def children(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 pass
     return out
+
+
+def fixed_ports(n: int) -> int:
+    """The first of n free consecutive ports below the kernel's ephemeral range, as a deployment's
+    fixed ports are: a core that connects before the front end binds must not draw one of them as
+    its connection's own port (a bind then fails: address in use)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for first in range(low - 4000 + os.getpid() % 3000, low - n, n):
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", first + i))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports below the ephemeral range")
 
 
 def descendants(pid: int) -> list[int]:

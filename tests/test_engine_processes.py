@@ -18,8 +18,9 @@ import pytest
 from conftest import assert_pool_whole
 from longserve import LLM, SamplingParams
 from longserve.engine.core_client import InprocClient, MPClient
+from longserve.engine.core_launch import ForkedProcess
 from longserve.engine.executor import free_port
-from server_utils import Server, concurrently, descendants, wait_gone
+from server_utils import Server, concurrently, descendants, fixed_ports, wait_gone
 
 MODEL = "builtin:llama-tiny"
 ENGINE = dict(device="cpu", max_model_len=256)
@@ -52,6 +53,42 @@ def test_generate_through_the_core_process_matches_in_process(layout, monkeypatc
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert_pool_whole(llm)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_forked_or_spawned_core_gives_one_ranks_tokens_and_starts_again(method, monkeypatch):
+    """Forked (a GPU engine's default) or spawned (a CPU engine's): one rank's tokens, the core
+    named for `top`, a whole pool, and a second engine in the same process."""
+    want = one_rank()
+    monkeypatch.setenv("LONGSERVE_ENABLE_MULTIPROCESSING", "1")
+    monkeypatch.setenv("LONGSERVE_START_METHOD", method)
+    for _ in range(2):
+        with LLM(MODEL, **ENGINE, tensor_parallel_size=2) as llm:
+            [core] = llm.engine.client.procs.values()
+            tree = [core.pid, *descendants(core.pid)]  # the core, its worker, a resource tracker
+            assert isinstance(core, ForkedProcess) == (method == "fork")
+            names = [open(f"/proc/{p}/comm").read().strip() for p in tree]
+            assert names[0] == "longserve-core" and "longserve-rank1" in names
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == want
+            assert_pool_whole(llm)
+        assert core.poll() is not None and wait_gone(tree)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_forked_core_fails_the_call_at_once_and_leaves_nothing(monkeypatch):
+    monkeypatch.setenv("LONGSERVE_ENABLE_MULTIPROCESSING", "1")
+    monkeypatch.setenv("LONGSERVE_START_METHOD", "fork")
+    with LLM(MODEL, **ENGINE, tensor_parallel_size=2) as llm:
+        [core] = llm.engine.client.procs.values()
+        tree = [core.pid, *descendants(core.pid)]
+        os.kill(core.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"engine core 0 died \(exit code -9\)"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy(200), use_tqdm=False)
+        assert time.monotonic() - killed < 15
+        assert wait_gone(tree, 10)  # its worker too: it follows its parent
 
 
 def complete_all(url: str, model: str, n: int = 12) -> list[list[int]]:
@@ -90,12 +127,13 @@ def stream_lines(url: str, lines: list, started: threading.Event) -> None:
 
 
 def core_pids(server_pid: int) -> list[int]:
-    """The engine-core processes: the server's children running `python -m longserve.engine`."""
+    """The engine-core processes: the server's children running `python -m longserve.engine`
+    (spawned) or named longserve-core (forked)."""
     out = []
     for pid in descendants(server_pid):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"longserve.engine\x00" in f.read() + b"\x00":
+            with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/comm") as g:
+                if b"longserve.engine\x00" in f.read() + b"\x00" or g.read().strip() == "longserve-core":
                     out.append(pid)
         except OSError:
             pass
@@ -152,7 +190,7 @@ def test_dense_dp_goes_on_serving_when_a_core_dies(tmp_path):
 def test_two_hosts_on_loopback_give_one_ranks_tokens(tmp_path):
     """The front end runs DP rank 0; a `--headless` "host" runs DP rank 1 and connects to it."""
     want = one_rank()
-    rpc = free_port()
+    rpc = fixed_ports(3)  # commands, outputs, the rendezvous
     dp = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(rpc),
           "--data-parallel-address", "127.0.0.1"]
     front = Server([MODEL, *dp, *ENGINE_ARGS], tmp_path / "front.log", wait=False)

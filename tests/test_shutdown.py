@@ -60,12 +60,14 @@ sys.stdin.read()
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout", ["dict(tensor_parallel_size=2)", "dict(data_parallel_size=2)"],
-                         ids=["tp2", "dp2"])
-def test_a_sigkilled_front_end_leaves_no_process_after_10_s(layout, tmp_path):
+@pytest.mark.parametrize("layout,method", [("dict(tensor_parallel_size=2)", "spawn"),
+                                           ("dict(data_parallel_size=2)", "spawn"),
+                                           ("dict(tensor_parallel_size=2)", "fork")],
+                         ids=["tp2", "dp2", "tp2-forked"])
+def test_a_sigkilled_front_end_leaves_no_process_after_10_s(layout, method, tmp_path):
     script = tmp_path / "front.py"
     script.write_text(FRONT_END.replace("{layout}", layout))
-    env = dict(os.environ, LONGSERVE_ENABLE_MULTIPROCESSING="1")
+    env = dict(os.environ, LONGSERVE_ENABLE_MULTIPROCESSING="1", LONGSERVE_START_METHOD=method)
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env, text=True)
     try:

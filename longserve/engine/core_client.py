@@ -8,11 +8,9 @@ import contextlib
 import itertools
 import logging
 import os
-import pickle
 import queue
 import select
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -20,6 +18,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 from longserve.config import EngineConfig
+from longserve.engine.core_launch import start_core_process
 from longserve.engine.core_proc import CoreAddresses, EngineCoreProc
 from longserve.engine.executor import free_port
 from longserve.engine.messages import (ABORT, ADD, SHUTDOWN, UTILITY, WAVE, EngineCoreOutputs,
@@ -66,25 +65,6 @@ def core_gpus(config: EngineConfig, num_local_cores: int) -> list[list[str]] | N
         return None
     per_core, visible = config.parallel.replica_size, visible_gpus()  # enough: the door checked
     return [visible[i * per_core:(i + 1) * per_core] for i in range(num_local_cores)]
-
-
-def start_core_process(config: EngineConfig, dp_rank: int, addresses: CoreAddresses,
-                       gpus: list[str] | None) -> subprocess.Popen:
-    """Start DP rank `dp_rank`'s engine core, seeing only its GPUs; its stdin carries how to start
-    its workers, so that it starts them before importing torch (engine/__main__.py)."""
-    # CUDA loads every kernel's module up front, not on a first launch mid-serving: fewer
-    # first-use stalls in TTFT (docs/benchmarks.md, online serving); only this core's GPUs
-    env = None if gpus is None else {"CUDA_MODULE_LOADING": "EAGER", **os.environ,
-                                     "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
-    par = config.parallel
-    workers = None if par.replica_size == 1 else dict(
-        base=par.data_parallel_rank * par.replica_size,
-        replica=par.replica_size, init_method=addresses.dist_init if config.dp_lockstep else None)
-    proc = subprocess.Popen([sys.executable, "-m", "longserve.engine"], stdin=subprocess.PIPE, env=env)
-    proc.stdin.write(pickle.dumps((workers, pickle.dumps(config),
-                                   pickle.dumps((dp_rank, addresses, time.time())))))
-    proc.stdin.close()
-    return proc
 
 
 def dp_addresses(par) -> CoreAddresses:

@@ -1,10 +1,14 @@
-"""Start a replica's worker processes before the starting process has imported torch, so their
-imports run beside its own; nothing here imports torch (a worker gets the engine config as
-pickled bytes and unpickles it after its own imports)."""
+"""Start a replica's worker processes: forked, where the starting process was itself forked with
+torch imported (engine/core_launch.py), else spawned before it imports torch, so that their imports
+run beside its own. Nothing here imports torch at module level (a spawned worker gets the engine
+config as pickled bytes and unpickles it after its own imports)."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -26,22 +30,45 @@ def free_port() -> int:
 
 
 def start_workers(config_bytes: bytes, base: int, replica: int,
-                  init_method: str | None = None) -> WorkerProcs:
-    """Spawn global ranks base + 1 .. base + replica - 1 (no init_method: a rendezvous port of their own)."""
+                  init_method: str | None = None, fork: bool = False) -> WorkerProcs:
+    """Start global ranks base + 1 .. base + replica - 1 (no init_method: a rendezvous port of
+    their own); `fork`: this process was forked with torch imported (engine/core_launch.py)."""
     init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork" if fork else "spawn")
     # (a DP rank of an expert model may be a replica of one rank)
     plans = ShmRingBuffer(readers=replica - 1) if replica > 1 else None
     procs = []
     for rank in range(base + 1, base + replica):
         p = ctx.Process(target=_worker_entry, daemon=True,
-                        args=(config_bytes, rank, init_method, rank - base, plans.handle, time.time()))
+                        args=(config_bytes, rank, init_method, rank - base, plans.handle, time.time(), fork))
         p.start()
         procs.append(p)
     return WorkerProcs(procs, plans, init_method)
 
 
 def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: int, plans: tuple,
-                  spawned_at: float) -> None:
+                  spawned_at: float, forked: bool) -> None:
+    name_process(f"longserve-rank{rank}")
+    if forked:
+        in_forked_child({})
     from longserve.worker.worker import worker_main
     worker_main(pickle.loads(config_bytes), rank, init_method, local_rank, plans, spawned_at)
+
+
+def in_forked_child(env: dict) -> None:
+    """First thing in a forked core or worker, before any torch op."""
+    os.environ.update(env)  # before CUDA reads it: this core's GPUs
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the front end's handlers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+    # the front end's OpenMP threads did not come along: a parallel region with more than one
+    # thread would wait for them forever
+    torch.set_num_threads(1)
+
+
+def name_process(name: str) -> None:
+    """What `top` and `ps -o comm` show for this process (a forked one has its parent's command
+    line; Linux only, at most 15 characters)."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])

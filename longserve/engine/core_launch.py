@@ -1,0 +1,120 @@
+"""How an engine-core process starts. Forked from the front end where that is safe and free
+(fork_is_safe): the core and its workers then skip importing torch, ~4 s of every start on a GPU
+host. Else spawned (`python -m longserve.engine`, arguments pickled on stdin), its workers
+started before it imports torch so that all import at once. Nothing here imports torch at module
+level; docs/architecture.md, "Start-up"."""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+from longserve.worker.launch import in_forked_child, name_process
+
+
+def core_main(workers: dict | None, config_bytes: bytes, rest: bytes, forked: bool = False) -> int:
+    """An engine-core process: start its workers, then serve as the core; the exit status."""
+    name_process("longserve-core")
+    try:
+        procs = None
+        if workers is not None:
+            from longserve.worker.launch import start_workers
+            procs = start_workers(config_bytes, **workers, fork=forked)
+        from longserve.engine.core_proc import run_engine_core
+        run_engine_core(pickle.loads(config_bytes), *pickle.loads(rest), workers=procs)
+        return 0
+    except SystemExit as e:  # SIGTERM, or a failed start
+        return e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:  # the caller skips the interpreter's teardown (torch's finalizers take seconds)
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def fork_is_safe(config) -> bool:
+    """Fork where it costs nothing: a GPU engine, or a CPU engine whose ranks would get one CPU
+    thread each anyway (worker.limit_cpu_threads; a forked process keeps one: in_forked_child).
+    LONGSERVE_START_METHOD=fork|spawn chooses; never with a CUDA context here."""
+    method = os.environ.get("LONGSERVE_START_METHOD")
+    if method is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        one_thread = "OMP_NUM_THREADS" not in os.environ and (cores - 1) // config.parallel.world_size <= 1
+        method = "fork" if config.device == "cuda" or one_thread else "spawn"
+    torch = sys.modules.get("torch")
+    return (method == "fork" and sys.platform == "linux" and torch is not None
+            and not torch.cuda.is_initialized())  # a CUDA context does not survive a fork
+
+
+class ForkedProcess:
+    """A child of os.fork() running fn(*args) -> exit status, read like subprocess.Popen."""
+
+    def __init__(self, fn, *args):
+        sys.stdout.flush()  # else the child writes what is buffered here a second time
+        sys.stderr.flush()
+        self.returncode = None
+        with warnings.catch_warnings():  # "multi-threaded, fork() may deadlock": the child uses
+            warnings.simplefilter("ignore", DeprecationWarning)  # none of this process's threads
+            self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                code = fn(*args)
+            finally:
+                os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else
+                pid, status = self.pid, 1 << 8
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _forked_core(env: dict, workers: dict | None, config_bytes: bytes, rest: bytes) -> int:
+    in_forked_child(env)
+    return core_main(workers, config_bytes, rest, forked=True)
+
+
+def start_core_process(config, dp_rank: int, addresses, gpus: list[str] | None):
+    """Start DP rank `dp_rank`'s engine core, seeing only its GPUs (a Popen or a ForkedProcess)."""
+    env = {} if gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    par = config.parallel
+    workers = None if par.replica_size == 1 else dict(
+        base=par.data_parallel_rank * par.replica_size,
+        replica=par.replica_size, init_method=addresses.dist_init if config.dp_lockstep else None)
+    args = (workers, pickle.dumps(config), pickle.dumps((dp_rank, addresses, time.time())))
+    if fork_is_safe(config):
+        return ForkedProcess(_forked_core, env, *args)
+    proc = subprocess.Popen([sys.executable, "-m", "longserve.engine"], stdin=subprocess.PIPE,
+                            env={**os.environ, **env})
+    proc.stdin.write(pickle.dumps(args))
+    proc.stdin.close()
+    return proc
