@@ -38,7 +38,8 @@ def run(model, ps, max_tokens, logprobs=None, **kw):
     whole = all(s["num_free_blocks"] == s["num_blocks"] for s in llm.engine.pool_states())
     llm.shutdown()
     del llm
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    torch.cuda.empty_cache() if torch.cuda.is_initialized() else None  # (is_available() starts the
+    # CUDA driver here, and the next engine's processes are spawned, not forked)
     if logprobs:
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], dt, whole
     return [o.outputs[0].token_ids for o in outs], dt, whole

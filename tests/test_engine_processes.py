@@ -76,6 +76,29 @@ def test_forked_or_spawned_core_gives_one_ranks_tokens_and_starts_again(method, 
         assert core.poll() is not None and wait_gone(tree)
 
 
+def test_cores_fork_only_where_it_is_safe_and_free(monkeypatch):
+    from types import SimpleNamespace
+
+    from longserve.engine import core_launch
+
+    def forks(device, ranks):
+        return core_launch.fork_is_safe(SimpleNamespace(device=device, parallel=SimpleNamespace(world_size=ranks)))
+    for name in ("LONGSERVE_START_METHOD", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(core_launch.os, "sched_getaffinity", lambda _: set(range(16)))
+    monkeypatch.setattr(core_launch, "cuda_driver_started", lambda: False)
+    assert forks("cuda", 2) and forks("cpu", 8)  # 15 spare cores / 8 ranks: one thread each anyway
+    assert not forks("cpu", 2)  # seven threads a rank: spawned, so that it keeps them
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's thread count: kept
+    assert not forks("cpu", 8)
+    monkeypatch.setenv("LONGSERVE_START_METHOD", "spawn")
+    assert not forks("cuda", 2)
+    monkeypatch.setenv("LONGSERVE_START_METHOD", "fork")
+    assert forks("cpu", 2)
+    monkeypatch.setattr(core_launch, "cuda_driver_started", lambda: True)  # a child could not use CUDA
+    assert not forks("cuda", 2) and not forks("cpu", 2)
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_forked_core_fails_the_call_at_once_and_leaves_nothing(monkeypatch):
     monkeypatch.setenv("LONGSERVE_ENABLE_MULTIPROCESSING", "1")

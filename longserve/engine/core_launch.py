@@ -5,6 +5,7 @@ started before it imports torch so that all import at once. Nothing here imports
 level; docs/architecture.md, "Start-up"."""
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import signal
@@ -41,15 +42,24 @@ def core_main(workers: dict | None, config_bytes: bytes, rest: bytes, forked: bo
 def fork_is_safe(config) -> bool:
     """Fork where it costs nothing: a GPU engine, or a CPU engine whose ranks would get one CPU
     thread each anyway (worker.limit_cpu_threads; a forked process keeps one: in_forked_child).
-    LONGSERVE_START_METHOD=fork|spawn chooses; never with a CUDA context here."""
+    LONGSERVE_START_METHOD=fork|spawn chooses; never once the CUDA driver runs here."""
     method = os.environ.get("LONGSERVE_START_METHOD")
     if method is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         one_thread = "OMP_NUM_THREADS" not in os.environ and (cores - 1) // config.parallel.world_size <= 1
         method = "fork" if config.device == "cuda" or one_thread else "spawn"
-    torch = sys.modules.get("torch")
-    return (method == "fork" and sys.platform == "linux" and torch is not None
-            and not torch.cuda.is_initialized())  # a CUDA context does not survive a fork
+    return method == "fork" and sys.platform == "linux" and "torch" in sys.modules and not cuda_driver_started()
+
+
+def cuda_driver_started() -> bool:
+    """Whether cuInit ran in this process (a CUDA context; `torch.cuda.is_available()`, through
+    cudaGetDeviceCount): a forked child could not use CUDA then. Before cuInit the driver answers
+    cuDeviceGetCount with CUDA_ERROR_NOT_INITIALIZED (3)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False  # no CUDA driver on this machine
+    return driver.cuDeviceGetCount(ctypes.byref(ctypes.c_int())) != 3
 
 
 class ForkedProcess:
