@@ -54,11 +54,14 @@ def fork_is_safe(config) -> bool:
 def cuda_driver_started() -> bool:
     """Whether cuInit ran in this process (a CUDA context; `torch.cuda.is_available()`, through
     cudaGetDeviceCount): a forked child could not use CUDA then. Before cuInit the driver answers
-    cuDeviceGetCount with CUDA_ERROR_NOT_INITIALIZED (3)."""
+    cuDeviceGetCount with CUDA_ERROR_NOT_INITIALIZED (3); a driver not even loaded has not run."""
     try:
+        with open("/proc/self/maps") as f:
+            if not any("libcuda.so" in line for line in f):
+                return False  # (not loaded here for the question: the child inherits what is)
         driver = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return False  # no CUDA driver on this machine
+        return True
     return driver.cuDeviceGetCount(ctypes.byref(ctypes.c_int())) != 3
 
 
