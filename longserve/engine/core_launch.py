@@ -1,8 +1,6 @@
-"""How an engine-core process starts. Forked from the front end where that is safe and free
-(fork_is_safe): the core and its workers then skip importing torch, ~4 s of every start on a GPU
-host. Else spawned (`python -m longserve.engine`, arguments pickled on stdin), its workers
-started before it imports torch so that all import at once. Nothing here imports torch at module
-level; docs/architecture.md, "Start-up"."""
+"""How an engine-core process starts: forked from the front end where that is safe and free
+(fork_is_safe: no `import torch` in the core and its workers, ~4 s on a GPU host), else spawned.
+No torch import at module level here; docs/architecture.md, "Start-up"."""
 from __future__ import annotations
 
 import ctypes

@@ -1,7 +1,6 @@
-"""Start a replica's worker processes: forked, where the starting process was itself forked with
-torch imported (engine/core_launch.py), else spawned before it imports torch, so that their imports
-run beside its own. Nothing here imports torch at module level (a spawned worker gets the engine
-config as pickled bytes and unpickles it after its own imports)."""
+"""Start a replica's worker processes: forked from a forked core (engine/core_launch.py), else
+spawned before the core imports torch, so that their imports overlap (the config as pickled bytes:
+unpickled after those imports). No torch import at module level here."""
 from __future__ import annotations
 
 import contextlib
