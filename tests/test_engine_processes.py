@@ -192,6 +192,31 @@ def test_killed_core_fails_its_streams_health_503_and_sigterm_leaves_nothing(tmp
         server.stop()
 
 
+@pytest.mark.timeout(120)
+def test_a_forked_cores_signals_do_not_wake_the_front_ends_event_loop(monkeypatch):
+    """An event loop's signal handlers (asyncio's add_signal_handler) set the process's wake-up
+    fd; a forked core must not inherit it, or its own SIGTERM would reach the front end's loop."""
+    import socket
+    monkeypatch.setenv("LONGSERVE_ENABLE_MULTIPROCESSING", "1")
+    monkeypatch.setenv("LONGSERVE_START_METHOD", "fork")
+    ours, loops = socket.socketpair()
+    ours.setblocking(False)
+    loops.setblocking(False)
+    previous = signal.set_wakeup_fd(loops.fileno())
+    try:
+        with LLM(MODEL, **ENGINE) as llm:
+            [core] = llm.engine.client.procs.values()
+            os.kill(core.pid, signal.SIGTERM)
+            core.wait(10)
+            time.sleep(0.2)
+            with pytest.raises(BlockingIOError):  # nothing written to the front end's loop
+                ours.recv(16)
+    finally:
+        signal.set_wakeup_fd(previous)
+        ours.close()
+        loops.close()
+
+
 @pytest.mark.timeout(240)
 def test_dense_dp_goes_on_serving_when_a_core_dies(tmp_path):
     server = Server([MODEL, "-dp", "2", *ENGINE_ARGS], tmp_path / "server.log")

@@ -13,7 +13,7 @@ import time
 import traceback
 import warnings
 
-from longserve.worker.launch import in_forked_child, name_process
+from longserve.worker.launch import in_forked_child, name_process, start_workers
 
 
 def core_main(workers: dict | None, config_bytes: bytes, rest: bytes, forked: bool = False) -> int:
@@ -22,7 +22,6 @@ def core_main(workers: dict | None, config_bytes: bytes, rest: bytes, forked: bo
     try:
         procs = None
         if workers is not None:
-            from longserve.worker.launch import start_workers
             procs = start_workers(config_bytes, **workers, fork=forked)
         from longserve.engine.core_proc import run_engine_core
         run_engine_core(pickle.loads(config_bytes), *pickle.loads(rest), workers=procs)

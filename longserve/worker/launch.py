@@ -57,8 +57,9 @@ def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: 
 def in_forked_child(env: dict) -> None:
     """First thing in a forked core or worker, before any torch op."""
     os.environ.update(env)  # before CUDA reads it: this core's GPUs
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the front end's handlers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the front end's handlers,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.set_wakeup_fd(-1)  # nor its event loop's: a signal here would wake the front end's loop
     import torch
     # the front end's OpenMP threads did not come along: a parallel region with more than one
     # thread would wait for them forever
