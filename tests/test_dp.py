@@ -34,11 +34,11 @@ def prompts(seed=3):
             for n in LENGTHS]
 
 
-def run(path, max_tokens=5, generate_kw=None, **kw):
+def run(path, max_tokens=5, generate_kw=None, repeat=1, **kw):
     llm = LLM(path, device="cpu", distributed_timeout_s=60, **kw)
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=VOCAB, ignore_eos=True)
-        outs = llm.generate(prompts(), params, use_tqdm=False, **(generate_kw or {}))
+        outs = llm.generate(prompts() * repeat, params, use_tqdm=False, **(generate_kw or {}))
         assert_pool_whole(llm)
         return outs, llm.engine.core_stats()["num_dbo_steps"]
     finally:
@@ -81,6 +81,19 @@ def test_dp2_tp2_expert_parallel_matches_one_rank(models, monkeypatch):
     outs, _ = run(models["qwen3_moe"], max_tokens=3, data_parallel_size=2, tensor_parallel_size=2,
                   enable_expert_parallel=True)
     assert_same(outs, ref)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=4, enable_expert_parallel=True),
+                                    dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["dp4-ep", "dp2-tp2-ep"])
+def test_four_rank_expert_layouts_with_dbo_match_one_rank(models, layout):
+    """Issue 43's four-GPU expert layouts, dual-batch overlap on: one rank's tokens and logprobs
+    (every core gets two requests at least: a step splits only where every DP rank can)."""
+    ref, _ = run(models["qwen3_moe"], max_tokens=3, repeat=2)
+    outs, dbo_steps = run(models["qwen3_moe"], max_tokens=3, repeat=2, **layout, **DBO_SMALL)
+    assert_same(outs, ref)
+    assert dbo_steps > 0
 
 
 @pytest.mark.timeout(60)
