@@ -57,10 +57,14 @@ def test_tensor_parallel(models, arch, sp):
     assert_same(outs, ref)
 
 
-def test_tp4_replicates_the_single_kv_head():
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dcp", [1, 2, 4])
+def test_tp4_on_a_single_kv_head_replicated_or_split_by_dcp(dcp):
+    """One KV head over 4 TP ranks: replicated (dcp=1), or its tokens split over dcp ranks (issue
+    44's layouts)."""
     ps = prompts()
     ref, _ = run("builtin:llama-tiny-mqa", ps, vocab=512)
-    outs, _ = run("builtin:llama-tiny-mqa", ps, vocab=512, tensor_parallel_size=4)
+    outs, _ = run("builtin:llama-tiny-mqa", ps, vocab=512, tensor_parallel_size=4, decode_context_parallel_size=dcp)
     assert_same(outs, ref)
 
 
