@@ -13,7 +13,7 @@ import time
 import traceback
 import warnings
 
-from longserve.worker.launch import in_forked_child, name_process, start_workers
+from longserve.worker.launch import name_process, start_workers
 
 
 def core_main(workers: dict | None, config_bytes: bytes, rest: bytes, forked: bool = False) -> int:
@@ -106,6 +106,18 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def in_forked_child(env: dict) -> None:
+    """First thing in a forked core, before any torch op or worker (its workers inherit it)."""
+    os.environ.update(env)  # before CUDA reads it: this core's GPUs
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the front end's handlers,
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.set_wakeup_fd(-1)  # nor its event loop's: a signal here would wake the front end's loop
+    import torch
+    # the front end's OpenMP threads did not come along: a parallel region with more than one
+    # thread would wait for them forever
+    torch.set_num_threads(1)
 
 
 def _forked_core(env: dict, workers: dict | None, config_bytes: bytes, rest: bytes) -> int:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
 import pickle
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -39,31 +37,17 @@ def start_workers(config_bytes: bytes, base: int, replica: int,
     procs = []
     for rank in range(base + 1, base + replica):
         p = ctx.Process(target=_worker_entry, daemon=True,
-                        args=(config_bytes, rank, init_method, rank - base, plans.handle, time.time(), fork))
+                        args=(config_bytes, rank, init_method, rank - base, plans.handle, time.time()))
         p.start()
         procs.append(p)
     return WorkerProcs(procs, plans, init_method)
 
 
 def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: int, plans: tuple,
-                  spawned_at: float, forked: bool) -> None:
-    name_process(f"longserve-rank{rank}")
-    if forked:
-        in_forked_child({})
+                  spawned_at: float) -> None:
+    name_process(f"longserve-rank{rank}")  # (forked: it has what its core's in_forked_child set)
     from longserve.worker.worker import worker_main
     worker_main(pickle.loads(config_bytes), rank, init_method, local_rank, plans, spawned_at)
-
-
-def in_forked_child(env: dict) -> None:
-    """First thing in a forked core or worker, before any torch op."""
-    os.environ.update(env)  # before CUDA reads it: this core's GPUs
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the front end's handlers,
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.set_wakeup_fd(-1)  # nor its event loop's: a signal here would wake the front end's loop
-    import torch
-    # the front end's OpenMP threads did not come along: a parallel region with more than one
-    # thread would wait for them forever
-    torch.set_num_threads(1)
 
 
 def name_process(name: str) -> None:
