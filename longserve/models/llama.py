@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         return None if logits is None else logits.float()
 
     def greedy_tokens(self, hidden):
-        """[N, hidden] -> the argmax ids [N] on the first TP rank, None on the others."""
+        """[N, hidden] -> the argmax ids [N] on every TP rank."""
         return self.lm_head.greedy(hidden)
 
     def attention_layers(self) -> list[Attention]:

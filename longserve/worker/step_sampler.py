@@ -76,7 +76,7 @@ class StepSampler:
                 prompt_lps = self.prompt_logprobs(out.requests, hidden, inp.prompt_logprob_rows)
             rows = hidden[inp.logits_indices]  # plain greedy rows: their argmax ids instead
             logits = self.model.greedy_tokens(rows) if greedy else self.model.compute_logits(rows)
-            if logits is not None:  # the first TP rank
+            if self.ps.tp.is_first_rank:
                 output = ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps)
         if logits is not None and structured:
             output.deferred = (sampling, logits)
@@ -105,18 +105,21 @@ class StepSampler:
         return self.batch[1:]
 
     def _finish(self, output, sampling, logits) -> None:
-        """logits: the rows' logits on the first TP rank (plain greedy rows: their argmax ids)."""
+        """logits: the rows' logits on the first TP rank (plain greedy rows: their argmax ids, on
+        every TP rank of the first PCP rank)."""
         ids, seed_offsets = sampling
         tokens = None
         params, biases, row_of, _, any_logprobs, greedy = self.batch_params(ids)
         if logits is not None:
             tokens = logits if greedy else self.sampler(logits, params, seed_offsets, biases)
+        if output is not None and tokens is not None:
             output.pending = (ids, SampledTokens(tokens))
             if any_logprobs:  # these need the ids now
                 lps = self.sampler.logprobs(logits, params, list(output.resolve().sampled.values()))
                 output.logprobs = {i: lp for i, lp in zip(ids, lps) if lp is not None}
         if self.async_scheduling:
-            if ids and self.ps.model.world_size > 1:  # every rank embeds the next step's ids
+            everywhere = greedy and self.ps.pcp.world_size == 1  # the model group is the TP group
+            if ids and self.ps.model.world_size > 1 and not everywhere:  # every rank embeds them
                 if tokens is None:
                     tokens = torch.empty(len(ids), dtype=torch.int64, device=self.device)
                 self.ps.model.broadcast(tokens)
