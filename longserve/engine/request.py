@@ -45,6 +45,10 @@ class Request:
     # choices 1..n-1 of an n > 1 request: parked until its prompt is planned (Scheduler._fork)
     children: list[Request] = field(default_factory=list)
     grammar: object | None = None  # structured outputs: its GrammarState (structured_output.py)
+    # tokens that may stop it, and its output length at the latest (Scheduler.add_request; 0:
+    # not set, or no output: every token takes the full stop check)
+    stop_token_set: frozenset = frozenset()
+    stop_length: int = 0
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """(prompt + output tokens)[start:end] without building the whole list (a decode needs one)."""

@@ -46,6 +46,11 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         for req in [request] + request.children:  # children: parked, found by id, in no queue
             self.requests[req.request_id] = req
+            p = req.sampling_params  # what _take_decode_tokens checks before a full stop check
+            req.stop_token_set = frozenset(p.stop_token_ids or ()).union(
+                () if p.ignore_eos else req.eos_token_ids)
+            req.stop_length = min(self.config.max_model_len - len(req.prompt_token_ids),
+                                  p.max_tokens if p.max_tokens is not None else 1 << 62)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -258,11 +263,7 @@ class Scheduler:
         """Apply a step's results; returns the finished requests. A request preempted while the step ran
         still gets its token (it is recomputed with it)."""
         finished, self._finished_in_schedule = self._finished_in_schedule, []
-        for rid in out.decodes.req_ids:  # (each sampled one token)
-            req = self.requests.get(rid)
-            if req is not None:  # (else finished or aborted meanwhile)
-                req.num_steps_in_flight -= 1
-                self._take_token(req, sampled.get(rid), logprobs, finished)
+        self._take_decode_tokens(out.decodes.req_ids, sampled, logprobs, finished)
         for sr in out.requests:
             req = self.requests.get(sr.req_id)
             if req is None:
@@ -278,6 +279,29 @@ class Scheduler:
             if not req.is_finished:
                 self.finish_request(req.request_id, req.finish_reason)
         return finished
+
+    def _take_decode_tokens(self, req_ids: list[str], sampled: dict, logprobs, finished: list) -> None:
+        """_take_token for the plain decodes (each sampled one token), inlined: the usual step is
+        only these. The full stop check runs only where a stop is possible (the token can stop
+        the request, it reached its length, or a grammar follows it)."""
+        requests, tpb, running = self.requests, self.kv.tokens_per_block, RequestStatus.RUNNING
+        for rid in req_ids:
+            req = requests.get(rid)
+            if req is None:  # finished or aborted meanwhile
+                continue
+            req.num_steps_in_flight -= 1
+            token = sampled.get(rid)
+            if token is None or logprobs or not req.stop_length:
+                self._take_token(req, token, logprobs, finished)
+                continue
+            req.num_output_placeholders -= 1
+            out_ids = req.output_token_ids
+            out_ids.append(token)
+            if req.status is running and req.num_computed_tokens >= (req.num_cached_blocks + 1) * tpb:
+                self.kv.cache_full_blocks(req)
+            if ((token in req.stop_token_set or len(out_ids) >= req.stop_length
+                 or req.grammar is not None) and self._check_stop(req)):
+                finished.append(req)
 
     def _take_token(self, req: Request, token: int | None, logprobs, finished: list) -> None:
         """A sampling chunk's result: its token (None: the plan was applied without results)
