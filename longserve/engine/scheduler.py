@@ -151,9 +151,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _schedule_waiting(self, plan: list, budget: int) -> None:
+        num_seqs = self._num_seqs()  # (counted once: a burst of 512 arrivals summed 131K times)
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if (self._num_seqs() + 1 + len(req.children) > self.config.max_num_seqs
+            if (num_seqs + 1 + len(req.children) > self.config.max_num_seqs
                     or req.num_steps_in_flight):  # (preempted, a step in flight: wait for its result)
                 break
             computed_blocks, num_computed, external, load_async = [], 0, 0, False
@@ -181,6 +182,7 @@ class Scheduler:
             self.kv.num_cached_tokens_queried += req.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            num_seqs += 1 + len(req.children)
             plan.append((req, n))
             budget -= n
 
