@@ -188,6 +188,16 @@ class Executor:
             output = self._in_step(f"running step {self._step}", self.driver.execute, out, False)
             return PendingStep(self, self._step, output)
 
+    def wait_for_kv_progress(self, timeout_s: float) -> None:
+        """While only KV transfers are in flight: until this rank's connector reports progress (a
+        load ended, a pull was served), at most timeout_s (other ranks' connectors are polled)."""
+        event = getattr(self.driver.runner.kv_connector, "progress", None)
+        if event is None:
+            time.sleep(timeout_s)
+            return
+        event.wait(timeout_s)
+        event.clear()  # (a later set is seen by the next wait; what it reports, by the next step)
+
     def _send_plan(self, plan) -> None:
         if self.plans is None:  # torchrun (ranks perhaps on other hosts), or no worker
             self.driver.ps.model.broadcast_object(plan)

@@ -208,6 +208,7 @@ class P2pConnectorWorker:
         self.pair_locks: dict[str, threading.Lock] = {}  # one pull per pair at a time
         self.timings: dict[str, dict] = {}  # consumer: request id -> where its load's time went
         self.stopping = threading.Event()
+        self.progress = threading.Event()  # a load ended or a pull was served: the engine looks now
         self.store, self.server = None, None
         if kvt.kv_role in ("kv_producer", "kv_both"):
             self.store = connect_store(kvt.kv_ip, kvt.kv_port, kvt.kv_transfer_timeout_s)
@@ -359,6 +360,7 @@ class P2pConnectorWorker:
         finally:
             with self.lock:
                 h.readers -= 1
+            self.progress.set()
 
     def _payloads(self, msg: dict, rng: PieceRange, receiver: KVLayout, chunks: list):
         pieces = [p for p in msg["pieces"] if not _is_empty(p, self.layout, receiver, rng)]
@@ -394,6 +396,7 @@ class P2pConnectorWorker:
             self.done[spec.req_id] = ok
             if not ok:
                 self.failed_blocks.update(spec.block_ids[spec.start // self.layout.tokens_per_block:])
+        self.progress.set()
 
     def _connect_all(self, addrs: list[str]) -> None:
         """kv_connect: build (and warm) the pair groups with each producer's ranks this rank
