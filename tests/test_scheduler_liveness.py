@@ -248,11 +248,11 @@ def test_limits_that_would_never_schedule_are_refused(kwargs):
        ignore_eos=st.booleans(), stop_ids=st.lists(st.integers(0, 9), max_size=3),
        eos=st.lists(st.integers(0, 9), max_size=2), prompt_len=st.integers(1, 6),
        max_model_len=st.integers(8, 40), tokens=st.lists(st.integers(0, 9), min_size=45, max_size=45))
-def test_decode_fast_path_stops_where_the_full_check_does(max_tokens, min_tokens, ignore_eos, stop_ids,
+def test_stop_filter_stops_where_the_full_check_does(max_tokens, min_tokens, ignore_eos, stop_ids,
                                                           eos, prompt_len, max_model_len, tokens):
-    """Scheduler._take_decode_tokens (the plain decodes' path, which runs the full stop check only
-    where a stop is possible) ends a request at the same token, for the same reason, as
-    _take_token (the full check after every token)."""
+    """Scheduler._take_token, which runs the full stop check only where a stop is possible (the
+    stop set and length Scheduler.add_request gives a request), ends a request at the same token,
+    for the same reason, as the full check after every token (a request without them)."""
     if max_tokens is not None and min_tokens > max_tokens:
         return  # refused at the door
     params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
@@ -262,14 +262,12 @@ def test_decode_fast_path_stops_where_the_full_check_does(max_tokens, min_tokens
         sched = Scheduler(SchedulerConfig(4, 64, max_model_len), KVCacheManager(64, 16))
         req = Request("r", list(range(100, 100 + prompt_len)), params, eos_token_ids=eos)
         sched.add_request(req)
+        if not fast:
+            req.stop_length = 0  # not set: every token takes the full check
         req.status, finished = RequestStatus.RUNNING, []
         for t in tokens:
-            req.num_steps_in_flight, req.num_output_placeholders = 1, 1
-            if fast:
-                sched._take_decode_tokens(["r"], {"r": t}, None, finished)
-            else:
-                req.num_steps_in_flight -= 1
-                sched._take_token(req, t, None, finished)
+            req.num_output_placeholders = 1
+            sched._take_token(req, t, None, finished)
             if finished:
                 break
         ends.append((list(req.output_token_ids), req.finish_reason, req.stop_reason, len(finished)))

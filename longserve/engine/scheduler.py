@@ -46,7 +46,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         for req in [request] + request.children:  # children: parked, found by id, in no queue
             self.requests[req.request_id] = req
-            p = req.sampling_params  # what _take_decode_tokens checks before a full stop check
+            p = req.sampling_params  # what _take_token checks before a full stop check
             req.stop_token_set = frozenset(p.stop_token_ids or ()).union(
                 () if p.ignore_eos else req.eos_token_ids)
             req.stop_length = min(self.config.max_model_len - len(req.prompt_token_ids),
@@ -265,7 +265,11 @@ class Scheduler:
         """Apply a step's results; returns the finished requests. A request preempted while the step ran
         still gets its token (it is recomputed with it)."""
         finished, self._finished_in_schedule = self._finished_in_schedule, []
-        self._take_decode_tokens(out.decodes.req_ids, sampled, logprobs, finished)
+        for rid in out.decodes.req_ids:  # (each sampled one token)
+            req = self.requests.get(rid)
+            if req is not None:  # (else finished or aborted meanwhile)
+                req.num_steps_in_flight -= 1
+                self._take_token(req, sampled.get(rid), logprobs, finished)
         for sr in out.requests:
             req = self.requests.get(sr.req_id)
             if req is None:
@@ -282,40 +286,22 @@ class Scheduler:
                 self.finish_request(req.request_id, req.finish_reason)
         return finished
 
-    def _take_decode_tokens(self, req_ids: list[str], sampled: dict, logprobs, finished: list) -> None:
-        """_take_token for the plain decodes (each sampled one token), inlined: the usual step is
-        only these. The full stop check runs only where a stop is possible (the token can stop
-        the request, it reached its length, or a grammar follows it)."""
-        requests, tpb, running = self.requests, self.kv.tokens_per_block, RequestStatus.RUNNING
-        for rid in req_ids:
-            req = requests.get(rid)
-            if req is None:  # finished or aborted meanwhile
-                continue
-            req.num_steps_in_flight -= 1
-            token = sampled.get(rid)
-            if token is None or logprobs or not req.stop_length:
-                self._take_token(req, token, logprobs, finished)
-                continue
-            req.num_output_placeholders -= 1
-            out_ids = req.output_token_ids
-            out_ids.append(token)
-            if req.status is running and req.num_computed_tokens >= (req.num_cached_blocks + 1) * tpb:
-                self.kv.cache_full_blocks(req)
-            if ((token in req.stop_token_set or len(out_ids) >= req.stop_length
-                 or req.grammar is not None) and self._check_stop(req)):
-                finished.append(req)
-
     def _take_token(self, req: Request, token: int | None, logprobs, finished: list) -> None:
         """A sampling chunk's result: its token (None: the plan was applied without results)
-        replaces the placeholder; full blocks enter the prefix cache; a stop ends it."""
+        replaces the placeholder; full blocks enter the prefix cache; a stop ends it. The full
+        stop check runs only where a stop is possible (a token in the request's stop set, its
+        length reached, or a grammar): most decodes take none."""
         req.num_output_placeholders -= 1
+        out_ids = req.output_token_ids
         if token is not None and req.sampling_params.max_tokens != 0:
-            req.output_token_ids.append(token)
+            out_ids.append(token)
             if logprobs and req.request_id in logprobs:
                 req.logprobs.append(logprobs[req.request_id])
-        if req.status == RequestStatus.RUNNING:
-            self.kv.cache_full_blocks(req)
-        if token is not None and self._check_stop(req):
+        if (req.status is RequestStatus.RUNNING
+                and req.num_computed_tokens >= (req.num_cached_blocks + 1) * self.kv.tokens_per_block):
+            self.kv.cache_full_blocks(req)  # (a block filled since the last call)
+        if token is not None and (token in req.stop_token_set or len(out_ids) >= req.stop_length
+                                  or req.grammar is not None) and self._check_stop(req):
             finished.append(req)
 
     @staticmethod
