@@ -20,7 +20,7 @@ import torch
 from longserve.kv_transfer.topology import KVLayout, check_kv_dtype, plan_kv_pieces
 from longserve.kv_transfer.transfer import PieceRange, pack_piece, payload_shape, unpack_piece
 from longserve.kv_transfer.transport import (PairGroups, connect_store, next_message, post_pull,
-                                             release_key, td, wait_work)
+                                             release_key, reply_key, take_reply, td)
 
 log = logging.getLogger(__name__)
 GONE, HELD, SCALES_DIFFER = 0, 1, 2  # a pull's status word
@@ -320,6 +320,7 @@ class P2pConnectorWorker:
                     return
                 try:
                     if msg.get("connect"):  # a consumer builds the pair's group at its start
+                        store.set(msg["reply"], str(HELD))
                         self.groups.get(store, msg["pair"], 0)
                     else:
                         self._serve(msg, store)
@@ -342,25 +343,29 @@ class P2pConnectorWorker:
                 self.hold_added.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _serve(self, msg: dict, store) -> None:
-        """Status word (tag 0: 1 held, 0 not), then the payloads (tags 1, ...). The blocks
-        are read only while packing; no send outlasts the lease."""
-        group = self.groups.get(store, msg["pair"], 0)
+        """The status word (1 held, 0 not) through the store under the consumer's reply key, then
+        the payloads (tags 1, ...) over the pair's group. Neither side posts an op of the pair before
+        the status is out: an early receive spins on its device while this thread serves another
+        pull, and the device's other NCCL kernels can wait behind it (4 x H200: a consumer's TP
+        gather behind its pair's receive, its peer rank behind that, this rank's send behind the
+        peer: a deadlock). The blocks are read only while packing; no send outlasts the lease."""
         same_scales = self._same_scales(msg)
         h = self._take_reader(msg["req_id"]) if same_scales else None
         word = HELD if h is not None else GONE if same_scales else SCALES_DIFFER
-        status = torch.tensor([word], dtype=torch.int64, device=self.device)
-        wait_work(group.send([status], 1, 0), self.kvt.kv_transfer_timeout_s, self.device)
-        if h is None:
-            return
         try:
+            store.set(msg["reply"], str(word))
+            if h is None:
+                return
+            group = self.groups.get(store, msg["pair"], 0)
             rng = PieceRange(msg["start"], msg["end"], tuple(h.block_ids), ())
             receiver = KVLayout(**msg["receiver"])
             chunks = _layer_chunks(len(self.caches), msg["layers_per_chunk"])
             self.groups.send_all(group, self._payloads(msg, rng, receiver, chunks), 1, h.deadline)
         finally:
-            with self.lock:
-                h.readers -= 1
-            self.progress.set()
+            if h is not None:
+                with self.lock:
+                    h.readers -= 1
+                self.progress.set()
 
     def _payloads(self, msg: dict, rng: PieceRange, receiver: KVLayout, chunks: list):
         pieces = [p for p in msg["pieces"] if not _is_empty(p, self.layout, receiver, rng)]
@@ -412,7 +417,10 @@ class P2pConnectorWorker:
                 ranks = {p.remote_rank for p in plan_kv_pieces(self.layout, remote, self.rank)}
                 for remote_rank in sorted(ranks):
                     with self._pair(info["engine_id"], remote_rank) as pair:
-                        post_pull(store, info["engine_id"], remote_rank, {"connect": True, "pair": pair})
+                        reply = reply_key(pair)
+                        post_pull(store, info["engine_id"], remote_rank, {"connect": True, "pair": pair,
+                                                                         "reply": reply})
+                        take_reply(store, reply)
                         self.groups.get(store, pair, 1)
             except Exception as e:  # noqa: BLE001 - the first pull builds them instead
                 log.warning("could not connect to the producer at %s: %s", addr, e)
@@ -455,28 +463,26 @@ class P2pConnectorWorker:
         """Whether the producer still held the request (then its pieces are in place); adds to `times`
         the seconds in group set-up, control (post, status) and payloads."""
         chunk = max(1, len(self.caches) // 4)
-        t0 = time.perf_counter()
+        t0, reply = time.perf_counter(), reply_key(pair)
         post_pull(store, p["remote_engine_id"], remote_rank, dict(
-            req_id=p["remote_request_id"], pair=pair, pieces=pieces, start=rng.start, end=rng.end,
-            receiver=asdict(self.layout), layers_per_chunk=chunk,
+            req_id=p["remote_request_id"], pair=pair, reply=reply, pieces=pieces, start=rng.start,
+            end=rng.end, receiver=asdict(self.layout), layers_per_chunk=chunk,
             kv_scales=[self._piece_scales(q.local_head, q.num_heads) for q in pieces]))
         t1 = time.perf_counter()
-        group = self.groups.get(store, pair, 1)
+        status = take_reply(store, reply)  # (the store's wait: kv_transfer_timeout_s)
         t2 = time.perf_counter()
-        status = torch.zeros(1, dtype=torch.int64, device=self.device)
-        wait_work(group.recv([status], 0, 0), self.kvt.kv_transfer_timeout_s, self.device)
-        if status.item() == SCALES_DIFFER:
+        if status == SCALES_DIFFER:
             raise RuntimeError("refused: the producer's FP8 KV cache scales differ from this "
                                "instance's (not the same weights?)")
-        held = status.item() == HELD
+        group = self.groups.get(store, pair, 1) if status == HELD else None
         t3 = time.perf_counter()
-        if held:
+        if group is not None:
             self._recv_pieces(group, pieces, remote, rng, chunk)
-        times["setup_s"] += t2 - t1
         times["post_s"] += t1 - t0  # the pull message's store round trip
-        times["status_s"] += t3 - t2  # the producer taking it up and its status word
+        times["status_s"] += t2 - t1  # the producer taking it up and its status word
+        times["setup_s"] += t3 - t2
         times["pull_s"] += time.perf_counter() - t3
-        return held
+        return status == HELD
 
     def _recv_pieces(self, group, pieces: list, remote: KVLayout, rng: PieceRange, chunk: int) -> None:
         row = self.caches[0].shape[-1]  # one head's row of one token, in words

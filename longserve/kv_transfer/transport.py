@@ -1,12 +1,14 @@
 """The byte transport: a process group per (producer rank, consumer rank) pair from the producer's
 TCPStore, built once, rebuilt under a new epoch after a failure. A pull: a message on
-`pullq/<engine>/<rank>`, then a status word (1: held) and the pieces (tags 1, 2, ...)."""
+`pullq/<engine>/<rank>`, the status word (1: held) back under the message's reply key, then the
+pieces over the pair's group (tags 1, 2, ...)."""
 from __future__ import annotations
 
 import datetime
 import pickle
 import threading
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -129,6 +131,18 @@ def next_message(store: dist.Store, engine_id: str, rank: int) -> dict:
     """Block until the next message on this producer rank's queue (the store's timeout
     bounds the wait; a closed store raises)."""
     return pickle.loads(store.queue_pop(queue_key(engine_id, rank), True))
+
+
+def reply_key(pair: str) -> str:
+    """A fresh key for one message's answer (a late answer to a message given up on stays unread)."""
+    return f"reply/{pair}/{uuid.uuid4().hex[:8]}"
+
+
+def take_reply(store: dist.Store, key: str) -> int:
+    """Wait for the answer under key (at most the store's timeout), read it and delete it."""
+    word = int(store.get(key))
+    store.delete_key(key)
+    return word
 
 
 def release_key(engine_id: str, req_id: str) -> str:
