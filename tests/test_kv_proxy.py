@@ -14,6 +14,11 @@ def upstreams(log):
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         log.append((request.url.host, request.url.path, body))
+        if request.url.path == "/tokenize":  # a word a token; chat: a token a message
+            if body.get("prompt") == "uncountable":
+                return httpx.Response(400, json={"error": {"message": "no tokenizer"}})
+            count = len(body["messages"]) if "messages" in body else len(body["prompt"].split())
+            return httpx.Response(200, json={"count": count})
         if request.url.host == "prefill":
             if body.get("prompt") == "bad":
                 return httpx.Response(400, json={"error": {"message": "max_tokens too big"}})
@@ -58,6 +63,34 @@ def test_proxy_without_prefill_relays_each_request_as_is(stream):
     assert log == [("decode", "/v1/completions", req)]
 
 
+@pytest.mark.parametrize("path, request_body, local", [
+    ("/v1/completions", {"prompt": [1, 2, 3]}, True),  # counted here: no /tokenize
+    ("/v1/completions", {"prompt": [1, 2, 3, 4, 5]}, False),
+    ("/v1/completions", {"prompt": "one two three"}, True),
+    ("/v1/completions", {"prompt": "one two three four five"}, False),
+    ("/v1/completions", {"prompt": "uncountable"}, False),  # the prefill instance will answer it
+    ("/v1/completions", {"prompt": ["several", "prompts"]}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2}, True),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 5}, False),
+])
+def test_proxy_leaves_short_prompts_to_the_decode_instance(path, request_body, local):
+    """--local-prefill-tokens 4: a prompt of at most 4 tokens goes to the decode instance as is."""
+    log, req = [], dict(request_body, max_tokens=9, model="m")
+    app = build_app("http://prefill:1", "http://decode:2", transport=upstreams(log), local_prefill_tokens=4)
+    with TestClient(app) as client:
+        assert client.post(path, json=req).status_code == 200
+    asked = [(h, p) for h, p, _ in log if p != "/tokenize"]
+    if local:
+        assert asked == [("decode", path)] and log[-1][2] == req
+    else:
+        assert asked == [("prefill", path), ("decode", path)]
+        assert log[-1][2]["kv_transfer_params"] == PARAMS
+    counted = [b for _, p, b in log if p == "/tokenize"]
+    assert len(counted) == (0 if isinstance(req.get("prompt"), list) else 1)
+    if counted:  # the prefill instance counts as the server will (its model, the chat template)
+        assert log[0][0] == "prefill" and counted[0]["model"] == "m"
+
+
 def test_proxy_passes_prefill_errors_through():
     log = []
     with TestClient(build_app("http://prefill:1", "http://decode:2", transport=upstreams(log))) as client:
@@ -98,3 +131,6 @@ def test_proxy_cli_refuses_bad_urls(capsys):
     with pytest.raises(SystemExit):
         main(["proxy", "--prefill", "localhost:8001", "--decode", "http://x:1"])
     assert "--prefill must be an http(s) URL" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["proxy", "--decode", "http://x:1", "--local-prefill-tokens", "-1"])
+    assert "--local-prefill-tokens must be >= 0" in capsys.readouterr().err

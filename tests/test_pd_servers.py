@@ -2,7 +2,8 @@
 `longserve serve` kv_consumer and `longserve proxy` in front, real processes on loopback: the
 README's pcp2 -> tp2 recipe run as written (against a colocated tp=2 engine), and tp1 -> tp2 x
 dcp2, tp2 -> tp1, block size 8 in HND -> 16 (against one instance). Completions through the
-proxy (plain and streamed) give the same greedy tokens; a client that leaves mid-stream loses
+proxy (plain and streamed, and prefilled on the consumer as the proxy's --local-prefill-tokens
+leaves a short prompt) give the same greedy tokens; a client that leaves mid-stream loses
 nothing; both pools are whole afterwards; no process is left."""
 import json
 import os
@@ -55,6 +56,11 @@ def wait_healthy(procs, url, tmp_path, within_s=150):
 def kv_usage(url) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return float(re.search(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", text, re.M).group(1))
+
+
+def prompt_tokens(url) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^vllm:prompt_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M).group(1))
 
 
 def stop(proc):
@@ -189,6 +195,14 @@ def test_other_layouts_behind_proxy_match_one_instance(tmp_path, producer, consu
         r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want
+        # a proxy that leaves prompts this short to the consumer: the same tokens, the producer idle
+        procs["local"], local_url = start(tmp_path, "local", ["proxy", "--prefill", p_url, "--decode", d_url,
+                                                              "--local-prefill-tokens", str(len(PROMPT))])
+        wait_healthy(procs, local_url, tmp_path, 60)
+        produced = prompt_tokens(p_url)
+        r = httpx.post(f"{local_url}/v1/completions", json=BODY, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want and prompt_tokens(p_url) == produced
         wait_pools_whole(p_url, d_url)
     finally:
         stop_all(procs)

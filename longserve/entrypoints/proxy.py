@@ -2,7 +2,10 @@
 A request goes to the prefill instance with one output token and `kv_transfer_params:
 {"do_remote_decode": true}`, then to the decode instance with the params that came back; its
 answer (a stream or one body) is relayed as is, and a client gone closes the decode stream (one
-gone before the prefill answers gets no decode). Without --prefill requests go to --decode as is."""
+gone before the prefill answers gets no decode). Without --prefill requests go to --decode as is.
+With --local-prefill-tokens N a prompt of at most N tokens skips the prefill instance and prefills
+where it decodes: a short prompt's prefill costs the decode instance less than the hop and the
+transfer cost it (counted from a token-id prompt, else by the prefill instance's /tokenize)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 def build_app(prefill_url: str | None, decode_url: str, transport: httpx.AsyncBaseTransport | None = None,
-              timeout_s: float = 600.0) -> FastAPI:
+              timeout_s: float = 600.0, local_prefill_tokens: int = 0) -> FastAPI:
     app = FastAPI(title="longserve proxy")
     client = httpx.AsyncClient(transport=transport, timeout=timeout_s)
 
@@ -23,7 +26,9 @@ def build_app(prefill_url: str | None, decode_url: str, transport: httpx.AsyncBa
         body, path = await request.json(), request.scope["route"].path  # the route that matched
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         decode = body
-        if prefill_url is not None:
+        local = prefill_url is None or (local_prefill_tokens > 0 and await is_short(
+            client, prefill_url, body, path, headers, local_prefill_tokens))
+        if not local:  # prefilled there, decoded here
             prefill = dict(body, stream=False, max_tokens=1, max_completion_tokens=1,
                            kv_transfer_params={"do_remote_decode": True})
             prefill.pop("stream_options", None)
@@ -67,10 +72,32 @@ def build_app(prefill_url: str | None, decode_url: str, transport: httpx.AsyncBa
     return app
 
 
+async def is_short(client: httpx.AsyncClient, prefill_url: str, body: dict, path: str, headers: dict,
+                   limit: int) -> bool:
+    """Whether the request's one prompt has at most `limit` tokens (several prompts, or a prompt the
+    prefill instance cannot count, go the disaggregated way, where any error is answered)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return len(prompt) <= limit
+    if path.endswith("/chat/completions"):
+        query = {"messages": body.get("messages"),
+                 "add_generation_prompt": body.get("add_generation_prompt", True)}
+    elif isinstance(prompt, str):
+        query = {"prompt": prompt}
+    else:
+        return False
+    r = await client.post(prefill_url.rstrip("/") + "/tokenize", json=dict(query, model=body.get("model")),
+                          headers=headers)
+    return r.status_code == 200 and r.json().get("count", limit + 1) <= limit
+
+
 def add_proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", help="URL of the kv_producer instance (none: each request goes to "
                    "--decode as is, e.g. a colocated instance behind the same hop in a benchmark)")
     p.add_argument("--decode", required=True, help="URL of the kv_consumer instance")
+    p.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
+                   help="a prompt of at most N tokens prefills on the decode instance, no transfer "
+                   "(0: every prompt on the prefill instance)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
@@ -80,4 +107,7 @@ def cmd_proxy(args) -> None:
     for name in ("prefill", "decode"):
         if getattr(args, name) is not None and not getattr(args, name).startswith(("http://", "https://")):
             raise ValueError(f"--{name} must be an http(s) URL, got {getattr(args, name)!r}")
-    uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port, log_level="warning")
+    if args.local_prefill_tokens < 0:
+        raise ValueError(f"--local-prefill-tokens must be >= 0, got {args.local_prefill_tokens}")
+    app = build_app(args.prefill, args.decode, local_prefill_tokens=args.local_prefill_tokens)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
