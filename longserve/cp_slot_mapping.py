@@ -1,10 +1,5 @@
-"""Where a position's KV lives when the cache is sharded over W = pcp * dcp CP ranks.
-
-A block-table entry covers V = B * W positions; runs of I = interleave positions go to the ranks
-round-robin: off = p % V, owner = (off // I) % W, local offset = (off // (W * I)) * I + off % I,
-slot = block_table[req, p // V] * B + local offset on the owner, -1 elsewhere. A rank's tokens
-are in position order, so kernels read its shard as a sequence of get_dcp_local_seq_lens(...)
-tokens (docs/architecture.md, 'Rank layout')."""
+"""Where a position's KV lives when the cache is sharded over W = pcp * dcp CP ranks (the rule, and
+why a rank's shard reads as an ordinary sequence: docs/architecture.md, 'Rank layout')."""
 from __future__ import annotations
 
 import numpy as np

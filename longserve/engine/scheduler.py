@@ -99,10 +99,6 @@ class Scheduler:
             self._finished_in_schedule.append(child)
         parent.children = []
 
-    def _num_seqs(self) -> int:
-        """Running requests plus the choices they will fork (max_num_seqs bounds both)."""
-        return len(self.running) + sum(len(r.children) for r in self.running)
-
     def _chunk_size(self, req: Request, budget: int) -> int:
         placeholders, num_output = req.num_output_placeholders, len(req.output_token_ids)
         total = len(req.prompt_token_ids) + num_output + placeholders
@@ -151,7 +147,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _schedule_waiting(self, plan: list, budget: int) -> None:
-        num_seqs = self._num_seqs()  # (counted once: a burst of 512 arrivals summed 131K times)
+        # running requests plus the choices they will fork, counted once (not per arrival)
+        num_seqs = len(self.running) + sum(len(r.children) for r in self.running)
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if (num_seqs + 1 + len(req.children) > self.config.max_num_seqs
