@@ -1,9 +1,8 @@
 """The step plan from rank 0 to its replica's other ranks on this host: one writer, a ring of
-fixed-size slots in shared memory that `readers` readers poll (docs/architecture.md, 'The plan
-ring'). Segment, in 8-byte words, then the slots: reads[r] (messages reader r took), seq[s] /
-size[s] (slot s holds message seq[s] - 1, size[s] bytes; MORE: the pickle goes on in the next
-slot). Writer: payload, then seq; reader: seq, payload, then reads[r] (fence() between the steps
-off x86-64). Every wait is bounded and raises a TimeoutError naming what it waited for."""
+fixed-size slots in shared memory that `readers` readers poll (memory order: docs/architecture.md,
+'The plan ring'). Segment, in 8-byte words, then the slots: reads[r] (messages reader r took),
+seq[s] / size[s] (slot s holds message seq[s] - 1, size[s] bytes; MORE: the pickle goes on in the
+next slot). Every wait is bounded and raises a TimeoutError naming what it waited for."""
 from __future__ import annotations
 
 import os
