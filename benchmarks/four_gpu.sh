@@ -17,7 +17,8 @@
 #                engines on 1), the cases of one GPU a side (no layout case, no DCP consumer)
 #       pd-transfer  issue 45: the raw transfer against a plain copy, the handover (+ its traces)
 #       cmp-LAYOUT  issue 45: one bench_pd.sh layout of the mixed-workload comparison (cmp-tp4,
-#                cmp-dp2-tp2, cmp-pd-pcp2-tp2, cmp-pd-tp2-tp2; rates $PD_RATES, default 3,5)
+#                cmp-dp2-tp2, cmp-pd-pcp2-tp2, cmp-pd-tp2-tp2; rates $PD_RATES, default 3,5; bench_pd.sh
+#                reads PRODUCER, CONSUMER, PROXY (e.g. "--local-prefill-tokens 4096") and CONNECT)
 # Each run's log goes to OUT_DIR/PART-*.log; its tables are printed at the end, and OUT_DIR is packed
 # into OUT_DIR.tgz (the lent machines return 8 files of $OUT: give an OUT_DIR outside it, copy the .tgz).
 set -uo pipefail
