@@ -20,11 +20,9 @@ from longserve.attention.metadata import AttentionMetadata, PagedPart, VarlenLay
 from longserve.host_to_device import to_device
 
 HALF = (torch.float16, torch.bfloat16)
-# From this many query rows a request, prefix attention gathers the request's cached K/V (a ~1 ms
-# copy at 256K tokens) for the fused dense kernel (cuDNN ~600 TFLOP/s, H200; docs/benchmarks.md).
+# From this many query rows a request, prefix attention gathers its K/V (cheap) for the dense kernel
 DENSE_PREFIX_MIN_ROWS = 128
-# Below this many (query row x key) pairs a request, flash varlen (no per-shape set-up) beats
-# cuDNN's ~1 ms set-up of each new shape (35 ms of a 45 ms mixed step; docs/benchmarks.md).
+# Below this many (query row x key) pairs a request, flash varlen beats cuDNN's per-shape set-up
 FLASH_MAX_WORK = 1 << 26
 
 

@@ -319,17 +319,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# A decode step waits for its slowest program (a 128K request among 32 short ones in 4 splits: 25 ms
-# a step at tp=4, batch 1 takes 4); short requests' shares >= MIN_SPLIT: most of their splits empty
+# A step waits for its slowest program: a long request's shares <= LONG_SPLIT, short ones' >= MIN_SPLIT
 LONG_SPLIT, MIN_SPLIT = 2048, 256
 SPLIT_BUFFER_BYTES = 64 << 20  # the float32 partials [splits, T, Hq, D] of a call, at most
 
 
 def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.device,
                            split_bytes: int = 0, long_split: int = 0) -> int:
-    """Splits for ~4 programs per SM (batch 1 at 128K: 64 splits of 8 KV heads read 2.8 TB/s on H100,
-    2 per SM 2.65) or for shares of <= long_split tokens of the longest request the table holds,
-    >= 256 tokens a split, <= 256 and <= SPLIT_BUFFER_BYTES of partials (split_bytes each); shapes only."""
+    """Splits for ~4 programs per SM or for shares of <= long_split tokens of the longest request the
+    table holds; >= 256 tokens a split, <= 256, <= SPLIT_BUFFER_BYTES (split_bytes each); shapes only."""
     want = max(1, 4 * _num_sms(device) // max(num_programs, 1))  # 512 programs on 132 SMs: 1
     if long_split:
         want = max(want, triton.next_power_of_2(triton.cdiv(max_context, long_split)))
@@ -349,14 +347,13 @@ def _auto_splits(T: int, R: int, Hq: int, Hkv: int, D: int, BLOCK_Q: int, max_co
 
 
 def _request_bucket(num_reqs: int) -> int:
-    """BLOCK_R >= R: 256 up to 256 requests. Each value compiles a variant: a bucket of 16 beside
-    one of 256 compiled while serving (0.5 s in a burst's TTFT, H100); a few hundred loads cost less."""
+    """BLOCK_R >= R: 256 up to 256 requests. Each value compiles a variant (a compile while serving
+    stalls a burst's TTFT), while a few hundred extra loads cost little."""
     return max(256, triton.next_power_of_2(num_reqs))
 
 
 def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: torch.device):
-    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages), from shapes only.
-    Tuned on H100 with bf16, D = 128."""
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) from shapes; tuned: bf16, D = 128."""
     BLOCK_D = max(16, triton.next_power_of_2(D))
     on_gpu = device.type == "cuda"
     if max_query_len <= 1:  # decode: only the G heads of the KV head on M
@@ -373,18 +370,16 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
         return BLOCK_Q, BLOCK_M, 16, BLOCK_D, 4, 1
     if BLOCK_M >= 128:  # compute-bound prefix tiles
         return BLOCK_Q, BLOCK_M, 32, BLOCK_D, 8, 3
-    if BLOCK_Q == 1:  # decode: memory-bound, deep pipeline (2 warps: best of a sweep on H200)
+    if BLOCK_Q == 1:  # decode: memory-bound, deep pipeline (2 warps: best of a sweep)
         return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 2 if BLOCK_D <= 128 else 4, 3
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 
-# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages) from
-# H100 sweeps (benchmarks/bench_decode_attn.py --sweep); bf16 at 128K: 2.8 TB/s of KV (2 / 3: 2.65).
+# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages), from
+# benchmarks/bench_decode_attn.py --sweep
 SPLIT_DECODE = (64, 4, 2)
-# 32+ query heads on a KV head (tp=2 x dcp=2, one KV head): 2.17 -> 2.6 TB/s at 64 x 16K a shard
-SPLIT_DECODE_WIDE = (128, 4, 2)
-# FP8 (V converted first, _e4m3_to_f16): 92 registers, five programs an SM, 128K in one wave:
-# 130.5 -> 113.2 us on H100 (2.37 TB/s of FP8 KV); 128-token tiles: 168, three an SM, 1.3 waves
+SPLIT_DECODE_WIDE = (128, 4, 2)  # 32+ query heads on a KV head (tp=2 x dcp=2, one KV head): faster
+# FP8 (V converted first, _e4m3_to_f16): 64-token tiles keep registers low enough for 128K in one wave
 SPLIT_DECODE_FP8 = (64, 4, 2)
 # FP8 cache with bf16 queries: dot in fp16. e4m3 -> fp16 is one cvt per two values on sm_90,
 # -> bf16 goes through fp16 and fp32 (three more per pair), on every K and V element read;
@@ -406,7 +401,7 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
     """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]: one variant up to 256
     splits (decode: a whole head a program, or 32 of head_dim when rows are few) or per CP size
-    (2-16 ranks' partials); the measurements in docs/benchmarks.md (twelfth session)."""
+    (2-16 ranks' partials)."""
     num_kv_splits, T, Hq, D = o_buf.shape
     few = triton.next_power_of_2(max(num_kv_splits, 2))
     block_s, chunk_s, block_d = max(256, few), 16, triton.next_power_of_2(D)
@@ -519,9 +514,8 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
 
 
 def merge_variants(num_heads: int, head_dim: int, dtype: torch.dtype, device, cp_size: int = 1) -> list:
-    """The two merges of prefill (a prefix-cache hit's; a segment's, with its LSE), one call
-    each: under CP the first chunk with a prefix compiled them (a pcp=2 run, 2 x H200); and
-    under CP the merge of the ranks' prefix partials, packed in `dtype`."""
+    """The two merges of prefill (a prefix-cache hit's; a segment's, with its LSE; else CP's first
+    chunk with a prefix compiles them), one call each; under CP also the ranks' packed partials'."""
     o = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     lse = torch.zeros(1, num_heads, device=device)
     calls = [functools.partial(merge_attn_states_triton, torch.empty_like(o), o, lse, o, lse, out_lse)
@@ -547,7 +541,7 @@ def run_in_threads(calls: list, device: torch.device) -> None:
 # ---- merge of two partial attention states (e.g. prefix over the cache + causal suffix) ------
 
 # the LSE strides and alignment follow a chunk's length (SDPA's LSE is [H, T]): unspecialized,
-# so no chunk compiles a variant mid-run (one did, 152 ms into a server's burst, H200)
+# so no chunk compiles a variant mid-run
 @triton.jit(do_not_specialize=["stride_plt", "stride_plh", "stride_slt", "stride_slh",
                                "stride_olt", "stride_olh"],
             do_not_specialize_on_alignment=["out_lse_ptr", "p_lse_ptr", "s_lse_ptr"])
