@@ -10,10 +10,8 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# group size -> ((largest bytes, algorithm), ...) in ascending order; "nccl" rows and sizes past
-# the last row go through NCCL, as do group sizes not listed. 2 x H100, bf16, per call in a graph:
-# 8 KB NCCL 9.6 / one-shot 9.1 us; 64 KB 10.3 / 9.3; 128 KB 10.1 / 10.2; 2 MB 30.5 / two-shot 21.5;
-# 8 MB 50.2 / 44.0 (benchmarks/bench_allreduce.py).
+# group size -> ((largest bytes, algorithm), ...) ascending, the fastest in a graph (bench_allreduce.py);
+# "nccl" rows, sizes past the last row and group sizes not listed go through NCCL.
 ALGORITHMS = {2: ((64 << 10, "one_shot"), (1 << 20, "nccl"), (8 << 20, "two_shot"))}
 DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels dispatch on
 DISABLE = "LONGSERVE_SYMM_MEM"  # "0": NCCL for everything (A/B runs)
@@ -65,8 +63,7 @@ class SymmAllReduce:
 
 def symmetric_buffer(symm_mem, nbytes: int, device: torch.device) -> torch.Tensor:
     """symm_mem.empty(nbytes), allocated as empty allocates (in torch's implicit pool where it uses
-    one) but with the stride given: empty's stride helper imports sympy, 3.8 s of a tp=2 start
-    on 4 x H100 (where no bytecode is cached)."""
+    one) but with the stride given: empty's stride helper imports sympy, seconds of a cold start."""
     raw = getattr(getattr(symm_mem, "_SymmetricMemory", None), "empty_strided_p2p", None)
     if raw is None:
         return symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
