@@ -140,9 +140,8 @@ class EngineCore:
         if idle:
             return self._outputs(out, self.scheduler.update_from_output(out, {}))
         if out.is_empty and transfers and out.kv_connector_metadata is None:
-            # only polling the connectors: do not spin, but look as soon as a load ends (its
-            # request's first step waited up to 2 ms for the poll); a step that starts a load
-            # or announces a hold goes at once
+            # only polling the connectors: do not spin, but look as soon as a load ends; a step
+            # that starts a load or announces a hold goes at once
             self.executor.wait_for_kv_progress(0.002)
         pending = self.executor.execute_async(out)
         self._start_mask(out, pending)

@@ -26,8 +26,7 @@ class GrammarCompiler:
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
         # xgrammar sees the ids the tokenizer has (and the stop ids): it counts every id past
-        # them as a special token and scans those on each accept (24 us a token with a
-        # 485-token tokenizer padded to 151,936 ids, 0.7 us with SmolLM2's 49,152 real ones).
+        # them as a special token and scans those on each accept (slow with a padded vocabulary).
         # The mask covers those ids; the sampler masks the model's ids past them.
         self.mask_vocab = min(vocab_size, max([tokenizer.get_vocab_size(with_added_tokens=True)]
                                               + [t + 1 for t in eos_token_ids]))
@@ -81,8 +80,7 @@ class StructuredOutputManager:
     def compiler(self) -> GrammarCompiler:  # on the pool's thread: the tokenizer loads there
         if self._compiler is None:
             # the mask thread's few Python lines need the GIL while the step loop plans in
-            # Python: at the default 5-ms switch interval it waited for the loop to block on
-            # the mask (no overlap); 0.2 ms lets it in while the loop runs
+            # Python: a short switch interval lets it in while the loop runs (else no overlap)
             sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
             from longserve.tokenizer import load_tokenizer
             m = self.model
@@ -135,8 +133,8 @@ class StructuredOutputManager:
         live = [(i, g.matcher) for i, (g, _) in zip(rows, work) if not g.matcher.is_terminated()]
         xgr = self._compiler.xgr
         mask = xgr.allocate_token_bitmask(len(live), self._compiler.mask_vocab)
-        # one call for all rows, on one thread (8 threads took 4.5 ms a step for 64 JSON rows
-        # on an H100 host against 1.7 ms for one); it releases the GIL, so the loop goes on
+        # one call for all rows, on one thread (xgrammar's threads were slower); it releases
+        # the GIL, so the loop goes on
         self._batch = self._batch or xgr.BatchGrammarMatcher(1)
         self._batch.batch_fill_next_token_bitmask([m for _, m in live], mask)
         tail = self._compiler.mask_vocab % 32  # xgrammar leaves the bits past its ids set
@@ -145,8 +143,8 @@ class StructuredOutputManager:
         return mask, [i for i, _ in live]
 
     def _accept(self, work: list[tuple[GrammarState, list[int]]]) -> None:
-        """Each row's tokens in order: one xgrammar call per position (half the time of a
-        Python loop of accept_token); a matcher that refused one takes no more."""
+        """Each row's tokens in order: one xgrammar call per position (cheaper than a Python loop
+        of accept_token); a matcher that refused one takes no more."""
         accept = self._compiler.xgr.BatchGrammarMatcher.batch_accept_token
         for k in range(max((len(tokens) for _, tokens in work), default=0)):
             batch = [(g, tokens[k]) for g, tokens in work if len(tokens) > k and g.rejected is None]
