@@ -151,8 +151,8 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def create_engine_config(self) -> EngineConfig:
-        # device_count asks NVML; is_available initialises the driver here, in the front end,
-        # before any rank starts (1.0 s of a tp=2 start, 4 x H100)
+        # device_count asks NVML; is_available would initialise the driver (slow) here, in the
+        # front end, before any rank starts
         device = self.device or ("cuda" if torch.cuda.device_count() > 0 else "cpu")
         model = model_with_tokenizer(os.fspath(self.model), self.seed, self.tokenizer)
         dtype = self.dtype if self.dtype != "auto" else torch.float32 if device == "cpu" else (

@@ -13,8 +13,7 @@ def to_device(a: np.ndarray | torch.Tensor, device: torch.device | str) -> torch
 
 def to_device_all(arrays: list, device: torch.device | str) -> list[torch.Tensor]:
     """Several host arrays through one pinned buffer and one copy. Each `to_device` costs a
-    pinned allocation, a copy call and an event: a decode step's seven took 7% of a host-bound
-    engine core's time at batch 512 on an H100 host (py-spy, docs/benchmarks.md)."""
+    pinned allocation, a copy call and an event, a share of a host-bound decode step's time."""
     ts = [to_device(a, "cpu") for a in arrays]
     if torch.device(device).type != "cuda":
         return ts

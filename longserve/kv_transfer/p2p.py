@@ -346,9 +346,9 @@ class P2pConnectorWorker:
         """The status word (1 held, 0 not) through the store under the consumer's reply key, then
         the payloads (tags 1, ...) over the pair's group. Neither side posts an op of the pair before
         the status is out: an early receive spins on its device while this thread serves another
-        pull, and the device's other NCCL kernels can wait behind it (4 x H200: a consumer's TP
-        gather behind its pair's receive, its peer rank behind that, this rank's send behind the
-        peer: a deadlock). The blocks are read only while packing; no send outlasts the lease."""
+        pull, and the device's other NCCL kernels can wait behind it (a consumer's TP gather behind
+        its pair's receive, its peer rank behind that, this rank's send behind the peer: a deadlock).
+        The blocks are read only while packing; no send outlasts the lease."""
         same_scales = self._same_scales(msg)
         h = self._take_reader(msg["req_id"]) if same_scales else None
         word = HELD if h is not None else GONE if same_scales else SCALES_DIFFER
@@ -504,9 +504,8 @@ class P2pConnectorWorker:
 
 
 def as_words(cache: torch.Tensor) -> torch.Tensor:
-    """The cache's bytes as the widest integers that tile a head's row: any dtype packs, lands
-    and travels alike (float8 has no gloo type), and the index kernels move 8 bytes an
-    element, not 1 (as bytes they ran at ~230 GB/s on an H200)."""
+    """The cache's bytes as the widest integers that tile a head's row: any dtype packs, lands and
+    travels alike (float8 has no gloo type), and the index kernels move 8 bytes an element, not 1."""
     raw = cache.view(torch.uint8)
     size = next(n for n in (8, 4, 2, 1) if raw.data_ptr() % n == 0
                 and all(d % n == 0 for d in (raw.shape[-1], *raw.stride()[:-1])))

@@ -39,9 +39,8 @@ def make_pair_group(store: dist.Store, key: str, rank: int, device: torch.device
 
 
 def wait_work(work, timeout_s: float, device: torch.device) -> None:
-    """Wait for a send/recv, at most timeout_s. gloo: wait(timeout). NCCL: poll
-    is_completed() every 50 us, then wait() (orders this thread's stream after it): NCCL's
-    wait(timeout) polls every 1-10 ms, a stall as long as a whole 16 ms transfer."""
+    """Wait for a send/recv, at most timeout_s. gloo: wait(timeout). NCCL: poll is_completed() every
+    50 us, then wait() (orders this thread's stream after it): NCCL's wait(timeout) polls coarsely."""
     if device.type != "cuda":
         work.wait(td(timeout_s))
         return

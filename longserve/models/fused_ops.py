@@ -72,9 +72,8 @@ def silu_and_mul_torch(x):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            max_rows: int = 1) -> torch.Tensor:
     """F.linear; on CUDA in bf16 / fp16, for up to max_rows rows, the Triton GEMV of
-    gemv_kernel.py, which streams the weight faster than cuBLAS (`bench_gemv.py`, H100:
-    1.05-1.6x one row). More rows pay only on the LM head (1.07-1.25x at 2-16 rows; other
-    weights 0.86-1.17x), which passes max_rows=GEMV_MAX_ROWS."""
+    gemv_kernel.py, which streams the weight faster than cuBLAS at one row (`bench_gemv.py`); more
+    rows pay only on the LM head, which passes max_rows=GEMV_MAX_ROWS."""
     if 0 < _gemv_rows(x, weight) <= max_rows:
         from longserve.models.gemv_kernel import gemv_triton
         return gemv_triton(x, weight, bias)

@@ -55,7 +55,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, stride_y, K: tl.con
 
 
 def gemv_config(rows: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), from `bench_gemv.py --sweep` on an H100: one row
+    """(BLOCK_N, BLOCK_K, warps, stages), from `bench_gemv.py --sweep`: one row
     streams thin tiles of 4,096 weights along K (many programs, each with 16-byte loads and
     four tiles in flight); the dot wants 32+ columns."""
     block_k = next(b for b in (1024, 512, 256, 128, 64) if k % b == 0)  # the caller: k % 64 == 0

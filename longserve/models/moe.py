@@ -172,7 +172,7 @@ class FusedMoE(nn.Module):
 
     def compile_kernels(self, dtype: torch.dtype) -> None:
         """The fused path (routing, align, GEMMs, combine) once at each block config: compiled
-        before serving, not by the first prefill chunks (1.4 s, H200). No collective."""
+        before serving, not by the first prefill chunks. No collective."""
         k, dev = self.top_k, self.w13.device
         for num_pairs in (k, 1024, 4096):
             x = torch.zeros(num_pairs // k, self.w2.shape[1], dtype=dtype, device=dev)

@@ -37,8 +37,7 @@ def run_coordinated(runner, rows: StepRows, table: np.ndarray,
     par, ps = runner.config.parallel, runner.ps
     n = inp.num_local_tokens
     per_req = rows.n
-    # DBO's micro-batches run eagerly: a decode step that a CUDA graph holds replays it instead
-    # (dp=2 + EP, 128 decodes, H200: 3.6 ms a step in the graph, 37.5 as eager micro-batches)
+    # DBO's micro-batches run eagerly: a decode step that a CUDA graph holds replays it (faster)
     graphed = inp.is_pure_decode and runner.graphs.size(n) is not None
     allow_ubatch = wants_dbo(par, inp) and len(per_req) >= 2 and not graphed
     graph = runner.graphs.size(n) if (inp.is_pure_decode or dummy) and not allow_ubatch else None

@@ -57,8 +57,8 @@ def rendezvous(init_method: str, rank: int, world: int, timeout_s: float,
 
 def limit_cpu_threads(local_ranks: int) -> None:
     """Give this rank its share of the cores this process may use, less one for the front end: every
-    step's parallel regions wait for the slowest thread (one per core: 3.7x slower on 2 cores beside a
-    busy process; docs/benchmarks.md). Never raises the count; OMP_NUM_THREADS set: the user chose."""
+    step's parallel regions wait for the slowest thread (one per core: much slower beside a busy
+    process). Never raises the count; OMP_NUM_THREADS set: the user chose."""
     if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, min(torch.get_num_threads(), ((cores or 1) - 1) // local_ranks)))
