@@ -49,7 +49,7 @@ class Groups:  # records when a side first touches the pair's group
         self.log.append((self.side, "group"))
         return object()
 
-    def send_all(self, group, payloads, first_tag, deadline):
+    def send_all(self, group, payloads, deadline):
         self.log.append((self.side, "send"))
 
 

@@ -344,7 +344,7 @@ class P2pConnectorWorker:
 
     def _serve(self, msg: dict, store) -> None:
         """The status word (1 held, 0 not) through the store under the consumer's reply key, then
-        the payloads (tags 1, ...) over the pair's group. Neither side posts an op of the pair before
+        the payloads (tags 0, 1, ...) over the pair's group. Neither side posts an op of the pair before
         the status is out: an early receive spins on its device while this thread serves another
         pull, and the device's other NCCL kernels can wait behind it (a consumer's TP gather behind
         its pair's receive, its peer rank behind that, this rank's send behind the peer: a deadlock).
@@ -360,7 +360,7 @@ class P2pConnectorWorker:
             rng = PieceRange(msg["start"], msg["end"], tuple(h.block_ids), ())
             receiver = KVLayout(**msg["receiver"])
             chunks = _layer_chunks(len(self.caches), msg["layers_per_chunk"])
-            self.groups.send_all(group, self._payloads(msg, rng, receiver, chunks), 1, h.deadline)
+            self.groups.send_all(group, self._payloads(msg, rng, receiver, chunks), h.deadline)
         finally:
             if h is not None:
                 with self.lock:
@@ -500,7 +500,7 @@ class P2pConnectorWorker:
 
         _test_fault("consumer_stall")
         # (the last unpack may still run on this thread's stream: _load waits for it)
-        self.groups.recv_all(group, [buffer(*part) for part in parts], consume, first_tag=1)
+        self.groups.recv_all(group, [buffer(*part) for part in parts], consume)
 
 
 def as_words(cache: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The byte transport: a process group per (producer rank, consumer rank) pair from the producer's
 TCPStore, built once, rebuilt under a new epoch after a failure. A pull: a message on
 `pullq/<engine>/<rank>`, the status word (1: held) back under the message's reply key, then the
-pieces over the pair's group (tags 1, 2, ...)."""
+pieces over the pair's group (tags 0, 1, ...)."""
 from __future__ import annotations
 
 import datetime
@@ -88,23 +88,23 @@ class PairGroups:
         if group is not None and self.device.type == "cuda":
             group.abort()
 
-    def send_all(self, group, payloads, first_tag: int = 0, deadline: float | None = None) -> None:
-        """Send the payloads (made when asked: i+1 is packed while i is on the wire) with tags first_tag,
+    def send_all(self, group, payloads, deadline: float | None = None) -> None:
+        """Send the payloads (made when asked: i+1 is packed while i is on the wire) with tags 0, 1,
         ...; no wait outlasts `deadline` (time.time(): a lease's end)."""
         pending = []  # (send, its tensor): a tensor is kept alive until its send is done
-        for tag, t in enumerate(payloads, first_tag):
+        for tag, t in enumerate(payloads):
             pending.append((group.send([t], 1, tag), t))
             if len(pending) > 1:
                 wait_work(pending.pop(0)[0], self._until(deadline), self.device)
         for work, _ in pending:
             wait_work(work, self._until(deadline), self.device)
 
-    def recv_all(self, group, buffers: list, consume, first_tag: int = 0) -> None:
-        """Receive into buffers[i] (a callable that allocates it) with tag first_tag + i, then
+    def recv_all(self, group, buffers: list, consume) -> None:
+        """Receive into buffers[i] (a callable that allocates it) with tag i, then
         consume(i, buf); the receive of i+1 is posted before i is consumed."""
         def post(i):
             buf = buffers[i]()
-            return group.recv([buf], 0, first_tag + i), buf
+            return group.recv([buf], 0, i), buf
         pending = post(0) if buffers else None
         for i in range(len(buffers)):
             work, buf = pending
