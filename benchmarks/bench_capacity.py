@@ -130,6 +130,7 @@ def run(args, kv_cache_dtype: str):
               max_model_len=s + args.decode + 64, max_num_batched_tokens=args.chunk,
               enable_prefix_caching=args.batch > 1, prefill_context_parallel_size=args.pcp,
               tensor_parallel_size=args.tp, decode_context_parallel_size=args.dcp,
+              rank0_own_process=False,  # rank 0's runner in this process: its weights, the profiler
               enforce_eager=args.enforce_eager, kv_cache_dtype=kv_cache_dtype)
     cfg = llm.config.model
     rng = np.random.default_rng(0)

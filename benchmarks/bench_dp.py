@@ -67,7 +67,8 @@ def run_one(path: str, args, n: int, **layout) -> dict:
     llm = LLM(path, device=args.device, dtype=args.dtype, load_format=load_format,
               max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=max(n // layout.get("data_parallel_size", 1), 1),  # per DP rank
-              enforce_eager=args.enforce_eager, **layout)
+              enforce_eager=args.enforce_eager, rank0_own_process=False if args.rank0_in_core else None,
+              **layout)
     start_s = time.perf_counter() - t_start
     vocab = llm.config.model.vocab_size
     llm.generate(prompts(vocab, n, args.input_len, 7),  # warm-up at the same batch shapes
@@ -190,6 +191,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--rank0-in-core", action="store_true",
+                   help="rank 0's worker in the engine core's process (default: its own on a GPU)")
     p.add_argument("--batches", type=int, nargs="+", default=[256],
                    help="dense: prompts per DP rank; moe: batch sizes to sweep")
     p.add_argument("--input-len", type=int, default=1024)

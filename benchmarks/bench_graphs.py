@@ -47,7 +47,7 @@ def build(args, mode):
     start = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.num_prompts,
-              max_num_batched_tokens=args.budget)
+              max_num_batched_tokens=args.budget, rank0_own_process=False)  # (its runner: here)
     pw = llm.engine.core.executor.driver.runner.piecewise
     capture = pw.capture_s if pw is not None and pw.use_graphs else None
     print(f"engine ({mode}) ready in {time.perf_counter() - start:.1f} s"

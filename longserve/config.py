@@ -215,6 +215,8 @@ class ParallelConfig:
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32  # decode-only steps
     dbo_prefill_token_threshold: int = 512  # steps with a prefill
+    # rank 0's worker in a process of its own (its launches beside the core's scheduling)
+    rank0_own_process: bool = False
     # data parallelism runs one engine-core process per DP rank (engine/core_proc.py)
     data_parallel_rank: int = 0  # the core's own rank (each core's copy of the config)
     data_parallel_size_local: int | None = None  # cores on this host (None: all)

@@ -118,6 +118,11 @@ class EngineArgs:
     dbo_decode_token_threshold: int = arg(32, DBO_THRESHOLD)
     dbo_prefill_token_threshold: int = arg(512, DBO_THRESHOLD)
     distributed_timeout_s: float = arg(300.0, number(0))
+    rank0_own_process: bool | None = arg(
+        None, (lambda v: v is None or isinstance(v, bool), "True, False or None"),
+        action=argparse.BooleanOptionalAction,
+        help="rank 0's worker in a process of its own, so that its launches run beside the engine "
+        "core's scheduling (default: on a GPU without KV transfer or torchrun)")
     kv_offload_gb: float = arg(0.0, (lambda v: isinstance(v, (int, float)) and v >= 0, "a number >= 0"),
                                help="host pool (GiB, pinned on CUDA) for prefix-cache blocks evicted "
                                "from the device")
@@ -163,10 +168,10 @@ class EngineArgs:
                                                          "(the model's max_position_embeddings)"))
         cache = self._config(CacheConfig, cpu_kv_cache_bytes=int(self.cpu_kv_cache_gb * (1 << 30)),
                              num_blocks=self.num_gpu_blocks)
-        parallel = self._config(ParallelConfig)
+        kv_transfer = self._kv_transfer()  # async_scheduling=True with KV transfer / offload: refused
+        parallel = self._config(ParallelConfig, rank0_own_process=self._rank0_own_process(device, kv_transfer))
         validate_dp_hosts(parallel)
         validate_parallel(parallel, model, cache, device)
-        kv_transfer = self._kv_transfer()  # async_scheduling=True with KV transfer / offload: refused
         scheduler = self._config(
             SchedulerConfig, max_num_batched_tokens=self.max_num_batched_tokens or max(8192, self.max_num_seqs),
             max_model_len=max_model_len, async_scheduling=self.async_scheduling is not False
@@ -178,6 +183,14 @@ class EngineArgs:
         """cls by keyword: each field it shares with EngineArgs by name, the rest from `resolved`."""
         mine = {f.name for f in fields(self)}
         return cls(**{f.name: getattr(self, f.name) for f in fields(cls) if f.name in mine} | resolved)
+
+    def _rank0_own_process(self, device: str, kv: KVTransferConfig) -> bool:
+        """Where the engine core's own paths to rank 0 run in-process, rank 0 stays there: its KV
+        connector's reports and events, torchrun's rank 0."""
+        why = ("KV transfer or kv_offload_gb" if kv.kv_role or kv.kv_offload_bytes else
+               "torchrun (rank 0 is the core's process)" if launched_by_torchrun() else None)
+        refuse(self.rank0_own_process and why, f"rank0_own_process is not supported with {why}")
+        return device == "cuda" and why is None if self.rank0_own_process is None else self.rank0_own_process
 
     def _kv_transfer(self) -> KVTransferConfig:
         """kv_transfer_config with kv_offload_gb. Asynchronous scheduling is off with either (loads

@@ -63,6 +63,7 @@ FROM_CLI = {
     "dbo_prefill_token_threshold": (["--dbo-prefill-token-threshold", "64"],
                                     lambda c: c.parallel.dbo_prefill_token_threshold == 64),
     "distributed_timeout_s": (["--distributed-timeout-s", "60"], lambda c: c.parallel.distributed_timeout_s == 60),
+    "rank0_own_process": (["--rank0-own-process"], lambda c: c.parallel.rank0_own_process),
     "kv_offload_gb": (["--kv-offload-gb", "0.5"], lambda c: c.kv_transfer.kv_offload_bytes == 1 << 29),
     "kv_transfer_config": (["--kv-transfer-config", '{"kv_role": "kv_producer"}'],
                            lambda c: c.kv_transfer.kv_role == "kv_producer"),

@@ -47,12 +47,15 @@ def wait_for(ready: Callable[[], bool], timeout: float | None, alive: Callable[[
 
 class ShmRingBuffer:
     """The writer: ShmRingBuffer(readers >= 1); reader r (0 .. readers-1) in any process of
-    this host: ShmRingBuffer.attach(writer.handle, r)."""
+    this host: ShmRingBuffer.attach(writer.handle, r). The process that makes the segment
+    (ShmRingBuffer(1, reader=0): a reader; rank 0's outputs to its core) removes its name;
+    attach(handle) without a reader is the writer."""
 
     def __init__(self, readers: int, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES,
                  name: str | None = None, reader: int | None = None):
         self.readers, self.slots, self.slot_bytes, self.reader = readers, slots, slot_bytes, reader
         words = readers + 2 * slots
+        self.unlinked = name is not None  # only the maker removes the name
         if name is None:
             name = f"longserve_plans_{os.getpid()}_{secrets.token_hex(4)}"
             self.shm = shared_memory.SharedMemory(name, create=True,
@@ -65,12 +68,11 @@ class ShmRingBuffer:
         self.reads = header[:readers]
         self.seq, self.size = header[readers::2], header[readers + 1::2]
         self.count = 0  # messages written (the writer) or taken (a reader)
-        self.unlinked = reader is not None  # only the writer removes the name
 
     @classmethod
-    def attach(cls, handle: tuple, reader: int) -> "ShmRingBuffer":
+    def attach(cls, handle: tuple, reader: int | None = None) -> "ShmRingBuffer":
         name, readers, slots, slot_bytes = handle
-        if not 0 <= reader < readers:
+        if reader is not None and not 0 <= reader < readers:
             raise ValueError(f"reader must be in 0..{readers - 1}, got {reader}")
         return cls(readers, slots, slot_bytes, name, reader)
 
@@ -116,14 +118,14 @@ class ShmRingBuffer:
         return pickle.loads(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def unlink(self) -> None:
-        """The writer: remove the name from /dev/shm (once every reader has attached, the
+        """The maker: remove the name from /dev/shm (once every reader has attached, the
         mappings outlive it: nothing is left behind even if this process is killed)."""
         if not self.unlinked:
             self.unlinked = True
             self.shm.unlink()
 
     def close(self) -> None:
-        """Unmap (the writer also unlinks); idempotent."""
+        """Unmap (the maker also unlinks); idempotent."""
         self.unlink()
         self.reads = self.seq = self.size = None  # views of the mapping: it cannot close under them
         self.shm.close()

@@ -34,7 +34,7 @@ class EngineCore:
                                  config.cache.block_size * config.parallel.cp_world_size,
                                  config.cache.enable_prefix_caching)
         self.kv_connector = build_scheduler_connector(
-            config, self.kv, self.executor.driver.runner.kv_bytes_per_block(), self.kv_store)
+            config, self.kv, self.executor.ready["kv_bytes_per_block"], self.kv_store)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.kv_connector)
         self.structured = StructuredOutputManager(config.model)
         self._in_flight = None  # asynchronous scheduling: (plan, PendingStep) of the last step
@@ -120,9 +120,19 @@ class EngineCore:
                 self.scheduler.add_request(req)
         return failed
 
+    def _launch(self, out):
+        """Step `out` launched on every rank; its sampling waits for a bitmask where a sampling request
+        has a grammar (the runner's rule, decided here before any of them can finish)."""
+        reqs = self.scheduler.requests
+        deferred = self.structured.in_use and any(
+            getattr(reqs.get(r), "grammar", None) is not None for r in out.sampling_req_ids())
+        pending = self.executor.execute_async(out)
+        pending.deferred = deferred
+        return pending
+
     def _start_mask(self, out, pending) -> None:
         """A structured step: while its forward runs, the matchers fill the bitmask on the mask thread."""
-        if pending.output is not None and pending.output.deferred is not None:  # it waits for a mask
+        if pending.deferred:
             self._mask = self.structured.start_bitmask(out, self.scheduler.requests)
 
     def _sample_masked(self, pending) -> None:
@@ -143,7 +153,7 @@ class EngineCore:
             # only polling the connectors: do not spin, but look as soon as a load ends; a step
             # that starts a load or announces a hold goes at once
             self.executor.wait_for_kv_progress(0.002)
-        pending = self.executor.execute_async(out)
+        pending = self._launch(out)
         self._start_mask(out, pending)
         self._sample_masked(pending)
         return self._apply(out, pending.result())
@@ -152,7 +162,7 @@ class EngineCore:
         """Launch step N+1, then apply step N's sampled ids: the host plans N+1 while the device runs N."""
         if self._in_flight is not None:
             self._sample_masked(self._in_flight[1])
-        launched = None if idle else (out, self.executor.execute_async(out))
+        launched = None if idle else (out, self._launch(out))
         previous, self._in_flight = self._in_flight, launched
         outputs = EngineCoreOutputs(self.engine_index) if previous is None else \
             self._apply(previous[0], self._result(previous[1]))
@@ -235,11 +245,7 @@ class EngineCore:
 
     def dp_any_unfinished(self) -> bool:
         """Lockstep DP: whether any DP rank still has requests (an all-reduce over the DP ranks' cores)."""
-        import torch
-        import torch.distributed as dist
-        flag = torch.tensor([int(self.scheduler.has_unfinished() or bool(self.structured.compiling))])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.executor.driver.ps.dp.cpu_group)
-        return bool(flag.item())
+        return self.executor.any_across_dp(self.scheduler.has_unfinished() or bool(self.structured.compiling))
 
     # ---- what the front end asks --------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
@@ -252,16 +258,16 @@ class EngineCore:
         """What this core holds (the server's start-up banner, the door's pool check)."""
         return dict(engine_index=self.engine_index, num_gpu_blocks=self.kv.num_blocks,
                     tokens_per_block=self.kv.tokens_per_block, load_s=round(self.load_s, 2),
-                    cudagraph_capture_s=self.executor.driver.cudagraph_capture_s,
-                    device_names=self.executor.device_names,
-                    startup=dict(self.timeline.as_dict(), ranks=self.executor.worker_timelines()))
+                    cudagraph_capture_s=self.executor.ready["cudagraph_capture_s"],
+                    device_names=self.executor.ready["device_names"],
+                    startup=dict(self.timeline.as_dict(), ranks=self.executor.ready["ranks"]))
 
     def stats(self) -> dict:
         """Counters of the KV cache and the connector (tests, benchmarks)."""
         s = dict(num_prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
                  num_cached_tokens_hit=self.kv.num_cached_tokens_hit,
                  num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
-                 num_dbo_steps=self.executor.driver.runner.num_dbo_steps)
+                 num_dbo_steps=None if self.executor.own else self.executor.driver.runner.num_dbo_steps)
         for name in ("num_loaded_tokens", "num_saved_blocks"):
             if hasattr(self.kv_connector, name):
                 s[f"kv_connector_{name}"] = getattr(self.kv_connector, name)

@@ -129,9 +129,9 @@ def start_core_process(config, dp_rank: int, addresses, gpus: list[str] | None):
     """Start DP rank `dp_rank`'s engine core, seeing only its GPUs (a Popen or a ForkedProcess)."""
     env = {} if gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     par = config.parallel
-    workers = None if par.replica_size == 1 else dict(
-        base=par.data_parallel_rank * par.replica_size,
-        replica=par.replica_size, init_method=addresses.dist_init if config.dp_lockstep else None)
+    workers = None if par.replica_size == 1 and not par.rank0_own_process else dict(
+        base=par.data_parallel_rank * par.replica_size, replica=par.replica_size,
+        init_method=addresses.dist_init if config.dp_lockstep else None, rank0=par.rank0_own_process)
     args = (workers, pickle.dumps(config), pickle.dumps((dp_rank, addresses, time.time())))
     if fork_is_safe(config):
         return ForkedProcess(_forked_core, env, *args)

@@ -1,11 +1,12 @@
-"""Drive the workers of one model replica from the engine process (rank 0, its worker in-process;
-other ranks spawned, or under torchrun). Failures end in bounded time with an error naming the
-rank; teardown on shutdown, failed start, a newer engine and exit (docs/architecture.md)."""
+"""Drive the workers of one model replica from the engine process (rank 0's worker in-process or in a
+process of its own; other ranks spawned, or under torchrun). Failures end in bounded time with an
+error naming the rank; teardown on shutdown, failed start, a newer engine and exit
+(docs/architecture.md)."""
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
+import datetime
 import pickle
 import logging
 import os
@@ -13,6 +14,7 @@ import signal
 import threading
 import time
 import weakref
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from longserve.startup import Timeline
 from longserve.step_plan import SchedulerOutput
 from longserve.worker.launch import WorkerProcs, free_port, start_workers  # noqa: F401 (free_port)
 from longserve.worker.step_sampler import ModelRunnerOutput
-from longserve.worker.worker import SHUTDOWN, Worker, worker_main
+from longserve.worker.worker import BITMASK, SHUTDOWN, Worker, WorkerFailure, worker_main
 
 logger = logging.getLogger(__name__)
 _live: weakref.WeakSet = weakref.WeakSet()  # multi-rank executors not shut down yet
@@ -49,7 +51,8 @@ def process_state(pid: int) -> str:
 
 
 class Executor:
-    """Owns the replica's first rank (in this process) and its other ranks' processes. An expert
+    """Owns the replica's first rank (in this process, or with rank0_own_process in one of its own:
+    `driver` is None and `results` brings its outputs) and its other ranks' processes. An expert
     model's DP ranks share one world: this replica's ranks are base .. base + replica_size - 1
     of it and `init_method` names its rendezvous."""
 
@@ -65,65 +68,88 @@ class Executor:
         self.driver: Worker | None = None
         self.failure: str | None = None
         self.plans: ShmRingBuffer | None = None  # the plan to the spawned workers
+        self.results: ShmRingBuffer | None = None  # rank 0's outputs (its own process)
+        self.ready: dict = {}  # rank 0's start-up report (Worker.ready_report)
+        self.cores_group = None  # expert DP, rank 0 in its own process: the DP cores' gloo group
         self.port: int | None = None
         self._closing, self._step = False, 0
         self._step_lock = threading.RLock()  # held in a step: teardown frees no memory under one
         self._owns_groups, self._threads = False, None
         self._torchrun = self.world > 1 and launched_by_torchrun()
-        if self.world > 1 and not self._torchrun:
+        self.own = own = config.parallel.rank0_own_process
+        if self.world > 1 and not self._torchrun and not own:
             make_room_for_process_group()  # (first: the engine it shuts down restores its threads)
         self._threads = torch.get_num_threads()  # restored at shutdown
-        self._owns_groups = self.world > 1
+        self._owns_groups = self.world > 1 and not own
         try:
             with self._waiting_for("the engine was starting"):
-                if self.world == 1:
+                if self.world == 1 and not own:
                     self.driver = Worker(config, timeline=self.timeline)
                 elif self._torchrun:
                     self.driver = self._join_torchrun(config)
                 else:
                     self.driver = self._spawn(config)
-                self.num_blocks = self.driver.determine_num_blocks()
-                self.driver.init_cache(self.num_blocks)
-            connector = self.driver.runner.kv_connector
+                if self.driver is not None:
+                    num_blocks = self.driver.determine_num_blocks()
+                    self.driver.init_cache(num_blocks)
+                    self.ready = self.driver.ready_report(num_blocks, own_phases=False)
+            self.num_blocks = self.ready["num_blocks"]
+            connector = None if self.driver is None else self.driver.runner.kv_connector
             # every rank of the replica holds part of each request's KV (TP x PCP; DCP is in TP)
             self.kv_aggregator = None if connector is None else \
                 KVOutputAggregator.from_connector(connector, self.driver.ps.model.world_size)
         except BaseException:
             self._teardown()  # a failed start leaves no worker, group or port behind
             raise
-        if self.world > 1:
+        if self.procs or self._torchrun:
             _live.add(self)
 
     @property
     def worker_ranks(self) -> range:
         """The global ranks of this replica's spawned workers (procs[i] is worker_ranks[i])."""
-        return range(self.base + 1, self.base + self.config.parallel.replica_size)
+        first = self.base if self.own else self.base + 1
+        return range(first, self.base + self.config.parallel.replica_size)
 
-    def _spawn(self, config: EngineConfig) -> Worker:
-        w = self.started or start_workers(pickle.dumps(config), self.base,
-                                          config.parallel.replica_size, self.init_method)
-        self.procs, self.plans = w.procs, w.plans
+    def _spawn(self, config: EngineConfig) -> Worker | None:
+        w = self.started or start_workers(pickle.dumps(config), self.base, config.parallel.replica_size,
+                                          self.init_method, rank0=config.parallel.rank0_own_process)
+        self.procs, self.plans, self.results = w.procs, w.plans, w.results
         self.port = int(w.init_method.rsplit(":", 1)[1])  # the rendezvous (free again after shutdown)
         self._watchdog = threading.Thread(target=watch, args=(weakref.ref(self),), daemon=True)
         self._watchdog.start()
-        driver = Worker(config, self.base, w.init_method, 0, alive_check=self._raise_if_failed,
-                        timeline=self.timeline)
+        driver = None
+        if not self.own:
+            driver = Worker(config, self.base, w.init_method, 0, alive_check=self._raise_if_failed,
+                            timeline=self.timeline)
+        else:  # rank 0 reports once every rank is ready
+            self.ready = self._take_result()
+            self.timeline.mark("workers")
+            self.results.unlink()
+            if config.dp_lockstep:
+                self.cores_group = cores_group(w.init_method, config.parallel, self.timeout)
         if self.plans is not None:
             self.plans.unlink()  # every worker attached before it joined: no name left to leak
         return driver
 
-    def worker_timelines(self) -> dict[int, list]:
-        """Each spawned worker's start-up phases (it leaves them in the store once ready)."""
-        store = self.driver.store if self.procs else None
-        return {} if store is None else {
-            r: json.loads(store.get(f"startup/{r}")) for r in self.worker_ranks}
+    def any_across_dp(self, flag: bool) -> bool:
+        """Lockstep DP: whether any DP rank's core says so (an all-reduce over the cores)."""
+        t = torch.tensor([int(flag)])
+        if self.cores_group is None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.driver.ps.dp.cpu_group)
+        else:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MAX
+            self.cores_group.allreduce([t], options).wait()
+        return bool(t.item())
 
-    @property
-    def device_names(self) -> list[str]:
-        """The devices of this replica's ranks (the driver's, one per rank)."""
-        name = ("cpu" if self.driver.device.type != "cuda"
-                else torch.cuda.get_device_name(self.driver.device))
-        return [name] * self.config.parallel.replica_size
+    def _take_result(self):
+        """Rank 0's next message from its own process (a step's output, or its start-up report)."""
+        message = self.results.dequeue(self.timeout, self._raise_if_failed)
+        if isinstance(message, WorkerFailure):
+            self.failure = f"worker rank {self.base} failed: {message.message}"
+            raise RuntimeError(self.failure)
+        return message
+
 
     def _raise_if_failed(self) -> None:
         if self.failure:
@@ -152,7 +178,7 @@ class Executor:
             raise explained from e
 
     def _explain(self, e: Exception, what: str) -> Exception:
-        if self.world == 1:
+        if self.world == 1 and not self.own:
             return e
         deadline = time.monotonic() + 2.0  # a closed connection: let the watchdog see who died
         while self.procs and self.failure is None and time.monotonic() < deadline:
@@ -183,15 +209,16 @@ class Executor:
             raise RuntimeError("the engine was shut down; build a new LLM")
         with defer_interrupt():  # a Ctrl-C lands after the step, with every rank in step
             self._step += 1
-            if self.world > 1:
+            if self.world > 1 or self.own:
                 self._in_step(f"taking the plan of step {self._step}", self._send_plan, out)
-            output = self._in_step(f"running step {self._step}", self.driver.execute, out, False)
+            output = None if self.own else \
+                self._in_step(f"running step {self._step}", self.driver.execute, out, False)
             return PendingStep(self, self._step, output)
 
     def wait_for_kv_progress(self, timeout_s: float) -> None:
         """While only KV transfers are in flight: until this rank's connector reports progress (a
         load ended, a pull was served), at most timeout_s (other ranks' connectors are polled)."""
-        event = getattr(self.driver.runner.kv_connector, "progress", None)
+        event = None if self.driver is None else getattr(self.driver.runner.kv_connector, "progress", None)
         if event is None:
             time.sleep(timeout_s)
             return
@@ -216,7 +243,7 @@ class Executor:
 
     def _fell_out_of_step(self, e: BaseException) -> None:
         """The other ranks are somewhere inside the step: stop them."""
-        if self.world > 1:
+        if self.world > 1 or self.own:
             self.failure = self.failure or (f"step {self._step} was cut short on rank 0 by "
                                             f"{type(e).__name__} (the ranks fell out of step; "
                                             "the workers were stopped)")
@@ -236,7 +263,7 @@ class Executor:
             return
         self._closing = True
         goodbye = False
-        if self.world > 1 and self.failure is None and self.driver is not None:
+        if (self.procs or self._torchrun) and self.failure is None:
             with contextlib.suppress(Exception):
                 self._send_plan(SHUTDOWN)
                 goodbye = True
@@ -263,9 +290,10 @@ class Executor:
             self.driver.store = None  # rank 0 hosts the rendezvous store: its port is free again
         if peers_present:
             reap(self.procs, min(self.timeout, 10.0))
-        if self.plans is not None:
-            self.plans.close()
-            self.plans = None
+        for ring in (self.plans, self.results):
+            if ring is not None:
+                ring.close()
+        self.plans = self.results = None
         if self._threads is not None:
             torch.set_num_threads(self._threads)
 
@@ -279,14 +307,20 @@ class PendingStep:
 
     def __init__(self, executor: Executor, step: int, output: ModelRunnerOutput | None):
         self.executor, self.step, self.output = executor, step, output
+        self.deferred = False  # its sampling waits for a grammar bitmask (the core says)
 
     def sample(self, bitmask: tuple) -> None:
         """A structured step: sample with the grammar bitmask (rank 0 samples and broadcasts the ids)."""
-        ex = self.executor
-        ex._in_step(f"sampling step {self.step}", ex.driver.runner.sampling.sample_deferred, self.output, bitmask)
+        ex, what = self.executor, f"sampling step {self.step}"
+        if ex.own:  # rank 0 in its own process: the bitmask goes the plan's way
+            ex._in_step(what, ex._send_plan, (BITMASK, bitmask))
+        else:
+            ex._in_step(what, ex.driver.runner.sampling.sample_deferred, self.output, bitmask)
 
     def result(self) -> ModelRunnerOutput | None:
         ex = self.executor
+        if ex.own:
+            return ex._in_step(f"running step {self.step}", ex._take_result)
         return ex._in_step(f"running step {self.step}",
                            lambda: ex._aggregate(None if self.output is None else self.output.resolve()))
 
@@ -339,6 +373,14 @@ def reap(procs: list, timeout_s: float) -> None:
         kill_and_reap(stuck)
 
 
+def cores_group(init_method: str, par, timeout_s: float):
+    """The DP cores' own gloo group (not in the workers' world): the world's store, under a prefix."""
+    url, timeout = urlparse(init_method), datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(url.hostname, url.port, is_master=False, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore("cores", store), par.data_parallel_rank,
+                                 par.data_parallel_size, timeout)
+
+
 def make_room_for_process_group() -> None:
     """torch.distributed has one default group a process: shut down the engine holding it."""
     for old in list(_live):
@@ -362,10 +404,12 @@ def watch(ref: weakref.ref) -> None:
         # and the loop below would spin holding the GIL (it starved capture: 2026-11-25)
         if ex is None or ex.failure or ex._closing or not ex.procs:
             return
-        for rank, p in zip(ex.worker_ranks, ex.procs):
+        for p in ex.procs:
             p.join(timeout=0.1)
-            if p.exitcode is not None and not ex._closing:
-                ex.failure = f"worker rank {rank} died (exit code {p.exitcode})"
+        dead = [(p.exitcode, rank) for rank, p in zip(ex.worker_ranks, ex.procs) if p.exitcode is not None]
+        if dead and not ex._closing:  # one killed by a signal is the cause, not those it took down
+            code, rank = min(dead, key=lambda d: (d[0] >= 0, d[1]))
+            ex.failure = f"worker rank {rank} died (exit code {code})"
         if ex.failure:
             for p in ex.procs:
                 if p.exitcode is None:

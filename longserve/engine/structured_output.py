@@ -87,6 +87,11 @@ class StructuredOutputManager:
             self._compiler = GrammarCompiler(load_tokenizer(m).tokenizer, m.vocab_size, m.eos_token_ids)
         return self._compiler
 
+    @property
+    def in_use(self) -> bool:
+        """Whether any request had a grammar (a plain engine's steps skip looking for one)."""
+        return bool(self.compiling) or self._compiler is not None
+
     def add(self, req: Request) -> None:
         key = req.sampling_params.structured_outputs.key
         self.compiling[req.request_id] = req, self._pool.submit(lambda: self.compiler().compile(*key))

@@ -18,6 +18,7 @@ class WorkerProcs:
     procs: list  # multiprocessing.Process of global ranks base + 1 .. base + replica - 1
     plans: ShmRingBuffer | None  # the ring the driver writes each step's plan to
     init_method: str  # the rendezvous: this replica's own, or an expert model's DP world's
+    results: ShmRingBuffer | None = None  # rank 0 in a process of its own: its outputs, in order
 
 
 def free_port() -> int:
@@ -26,28 +27,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_workers(config_bytes: bytes, base: int, replica: int,
-                  init_method: str | None = None, fork: bool = False) -> WorkerProcs:
-    """Start global ranks base + 1 .. base + replica - 1 (no init_method: a rendezvous port of
-    their own); `fork`: this process was forked with torch imported (engine/core_launch.py)."""
+def start_workers(config_bytes: bytes, base: int, replica: int, init_method: str | None = None,
+                  fork: bool = False, rank0: bool = False) -> WorkerProcs:
+    """Start global ranks base + 1 .. base + replica - 1, and base too with `rank0` (its outputs
+    come back through `results`); no init_method: a rendezvous port of their own; `fork`: this
+    process was forked with torch imported (engine/core_launch.py)."""
     init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("fork" if fork else "spawn")
+    first = base if rank0 else base + 1
     # (a DP rank of an expert model may be a replica of one rank)
-    plans = ShmRingBuffer(readers=replica - 1) if replica > 1 else None
+    plans = ShmRingBuffer(readers=base + replica - first) if base + replica > first else None
+    results = ShmRingBuffer(readers=1, reader=0) if rank0 else None
     procs = []
-    for rank in range(base + 1, base + replica):
-        p = ctx.Process(target=_worker_entry, daemon=True,
-                        args=(config_bytes, rank, init_method, rank - base, plans.handle, time.time()))
+    for rank in range(first, base + replica):
+        p = ctx.Process(target=_worker_entry, daemon=True, args=(
+            config_bytes, rank, init_method, rank - base, (plans.handle, rank - first),
+            time.time(), results and results.handle if rank == base else None))
         p.start()
         procs.append(p)
-    return WorkerProcs(procs, plans, init_method)
+    return WorkerProcs(procs, plans, init_method, results)
 
 
 def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: int, plans: tuple,
-                  spawned_at: float) -> None:
+                  spawned_at: float, results: tuple | None) -> None:
     name_process(f"longserve-rank{rank}")  # (forked: it has what its core's in_forked_child set)
     from longserve.worker.worker import worker_main
-    worker_main(pickle.loads(config_bytes), rank, init_method, local_rank, plans, spawned_at)
+    worker_main(pickle.loads(config_bytes), rank, init_method, local_rank, plans, spawned_at, results)
 
 
 def name_process(name: str) -> None:

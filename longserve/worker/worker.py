@@ -6,11 +6,13 @@ import datetime
 import gc
 import json
 import os
+import queue
 import signal
 import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urlparse
 
@@ -30,6 +32,7 @@ from longserve.worker.piecewise_graphs import piecewise_pool_bytes
 from longserve.worker.utils import MemorySnapshot, request_memory
 
 SHUTDOWN = "shutdown"
+BITMASK = "bitmask"  # (BITMASK, bitmask): sample the step before with it (rank 0 in its own process)
 JOIN_TIMEOUT_S = 60.0  # the least time a spawned process gets to start and join
 
 
@@ -141,6 +144,18 @@ class Worker:
             self.cudagraph_capture_s = round(time.perf_counter() - t0, 2)
             self.timeline.mark("CUDA graphs")
 
+    def ready_report(self, num_blocks: int, own_phases: bool = True) -> dict:
+        """Rank 0's start-up report to its core: the KV pool, the devices, the ranks' phases (the
+        others leave theirs in the store once ready; own_phases: rank 0's are not the core's)."""
+        replica = self.config.parallel.replica_size
+        ranks = {self.rank: self.timeline.phases} if own_phases else {}
+        if self.store is not None:
+            ranks |= {r: json.loads(self.store.get(f"startup/{r}"))
+                      for r in range(self.rank + 1, self.rank + replica)}
+        device = "cpu" if self.device.type != "cuda" else torch.cuda.get_device_name(self.device)
+        return dict(num_blocks=num_blocks, cudagraph_capture_s=self.cudagraph_capture_s, ranks=ranks,
+                    kv_bytes_per_block=self.runner.kv_bytes_per_block(), device_names=[device] * replica)
+
     def execute(self, out: SchedulerOutput, resolve: bool = True) -> ModelRunnerOutput | None:
         """resolve=False: return as soon as the step is queued on the device; the output's
         resolve() waits for the sampled ids (asynchronous scheduling)."""
@@ -193,10 +208,11 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
 
 def worker_main(config: EngineConfig, rank: int, init_method: str,
                 local_rank: int | None = None, plans: tuple | None = None,
-                spawned_at: float | None = None) -> None:
-    """Entry of a worker: follow the driver's steps until it says shutdown. `plans`: the
-    handle of the driver's ring (spawned on its host; local_rank - 1 is this rank's reader),
-    else the plans come over gloo (torchrun). Its start-up phases go to the store."""
+                spawned_at: float | None = None, results: tuple | None = None) -> None:
+    """Entry of a worker: follow the driver's steps until it says shutdown. `plans`: (the handle
+    of the driver's ring, this rank's reader), spawned on its host; else the plans come over gloo
+    (torchrun). `results`: rank 0 in a process of its own sends the core its outputs. Its start-up
+    phases go to the store."""
     timeline = Timeline(spawned_at)
     timeline.mark("process start + imports")
     if os.environ.get("LONGSERVE_TEST_WORKER_EXIT") == str(rank):  # test hook: die before joining
@@ -204,16 +220,22 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
     # Ctrl-C reaches the whole process group: the driver decides (drain, then SHUTDOWN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()  # also ends a wait for the next plan whose writer is gone
+    outbox = results and ResultSender(ShmRingBuffer.attach(results))
     try:
-        ring = plans and ShmRingBuffer.attach(plans, local_rank - 1)  # before joining: see _spawn
+        ring = plans and ShmRingBuffer.attach(*plans)  # before joining: see _spawn
         worker = Worker(config, rank, init_method, local_rank, timeline=timeline)
-        worker.init_cache(worker.determine_num_blocks())
+        num_blocks = worker.determine_num_blocks()
+        worker.init_cache(num_blocks)
         if worker.store is not None:
             worker.store.set(f"startup/{rank}", json.dumps(timeline.phases))
-        run_worker_loop(worker, ring)
-    except Exception:
+        if outbox is not None:
+            outbox.send(worker.ready_report(num_blocks))
+        run_worker_loop(worker, ring, outbox)
+    except Exception as e:
         traceback.print_exc()
         sys.stderr.flush()
+        if outbox is not None:  # the core raises it (the watchdog would only see an exit code)
+            outbox.send(WorkerFailure(f"{type(e).__name__}: {e}"), flush_s=2.0)
         os._exit(1)  # peers see the closed connection at once instead of waiting for a timeout
     # the goodbye: the model and its CUDA graphs go first (NCCL's teardown of a communicator
     # waits until no graph that captured it is left), then every rank closes its groups now,
@@ -222,14 +244,63 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
     close_process_groups(peers_present=True)
 
 
-def run_worker_loop(worker: Worker, plans: ShmRingBuffer | None = None) -> None:
+def run_worker_loop(worker: Worker, plans: ShmRingBuffer | None = None,
+                    outbox: "ResultSender | None" = None) -> None:
     freeze_after_warm_up()
+    waiting = None  # rank 0 in its own process: a step's output waiting for its grammar bitmask
     while True:  # no timeout on a plan: the engine may idle; the driver watches its workers
         out = worker.ps.model.broadcast_object(None) if plans is None else plans.dequeue()
         if out == SHUTDOWN:
             return
+        if isinstance(out, tuple):  # (BITMASK, the bitmask) of the step before (only rank 0 samples)
+            if outbox is not None:
+                worker.runner.sampling.sample_deferred(waiting, out[1])
+                outbox.send(waiting)
+            continue
         # asynchronous scheduling: queue the step and take the next plan (the sampled ids
         # reach this rank on the device); with a KV connector the step is synchronous
         result = worker.execute(out, resolve=not worker.config.scheduler.async_scheduling)
         if worker.runner.kv_connector is not None:  # the driver unites the connectors' reports
             worker.ps.model.gather_object(result)
+        elif outbox is not None and result is not None and result.deferred is not None:
+            waiting = result
+        elif outbox is not None:
+            outbox.send(result)
+
+
+@dataclass
+class WorkerFailure:
+    """Why rank 0's process (its own, not the core's) ends: the core raises it."""
+    message: str
+
+
+class ResultSender:
+    """Rank 0 in a process of its own: each step's output goes to the core once its sampled ids are
+    on the host, from a thread, while the next step is launched (the ids wait on their event, which
+    releases the GIL)."""
+
+    def __init__(self, ring: ShmRingBuffer):
+        self.ring, self.queue = ring, queue.SimpleQueue()
+        # the ids' event fires while the main thread launches the next step in Python: a short
+        # switch interval hands this thread the GIL at once (else up to 5 ms later)
+        sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
+        threading.Thread(target=self._run, name="longserve-results", daemon=True).start()
+
+    def send(self, message, flush_s: float = 0.0) -> None:
+        """Queue `message` (a ModelRunnerOutput, None, a start-up report or a WorkerFailure); flush_s:
+        wait that long for it to leave."""
+        self.queue.put(message)
+        if flush_s:
+            left = threading.Event()
+            self.queue.put(left)
+            left.wait(flush_s)
+
+    def _run(self) -> None:
+        while True:
+            message = self.queue.get()
+            if isinstance(message, threading.Event):
+                message.set()
+                continue
+            if isinstance(message, ModelRunnerOutput):
+                message.resolve()
+            self.ring.enqueue(message)  # (no timeout: exit_with_parent ends a wait on a gone core)
