@@ -101,7 +101,7 @@ class Executor:
         except BaseException:
             self._teardown()  # a failed start leaves no worker, group or port behind
             raise
-        if self.procs or self._torchrun:
+        if self.world > 1 or self.procs:
             _live.add(self)
 
     @property
@@ -263,7 +263,7 @@ class Executor:
             return
         self._closing = True
         goodbye = False
-        if (self.procs or self._torchrun) and self.failure is None:
+        if (self.world > 1 and self.driver is not None or self.procs) and self.failure is None:
             with contextlib.suppress(Exception):
                 self._send_plan(SHUTDOWN)
                 goodbye = True
