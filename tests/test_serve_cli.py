@@ -39,8 +39,9 @@ def stream_in_flight(url: str, **body) -> tuple[list[str], threading.Thread]:
     return lines, reader
 
 @pytest.mark.timeout(240)
-def test_tp2_server_matches_one_rank_and_sigterm_drains_and_leaves_no_process(tmp_path):
-    server = Server([MODEL, "-tp", "2", "--device", "cpu", "--max-model-len", "256"],
+@pytest.mark.parametrize("placement", [[], ["--rank0-own-process"]], ids=["rank0-in-core", "rank0-own"])
+def test_tp2_server_matches_one_rank_and_sigterm_drains_and_leaves_no_process(tmp_path, placement):
+    server = Server([MODEL, "-tp", "2", "--device", "cpu", "--max-model-len", "256", *placement],
                     tmp_path / "server.log")
     proc, url = server.proc, server.url
     try:
@@ -65,6 +66,7 @@ def test_tp2_server_matches_one_rank_and_sigterm_drains_and_leaves_no_process(tm
         assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
         assert len(lines) > at_signal + 2  # tokens kept coming after SIGTERM: drained, not cut
         assert wait_gone(workers)  # (multiprocessing's resource tracker leaves on EOF)
+        assert "exited with an error" not in server.log_text()  # every rank said goodbye
     finally:
         server.stop()
 

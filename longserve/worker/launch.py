@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import pickle
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -53,6 +55,11 @@ def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: 
     name_process(f"longserve-rank{rank}")  # (forked: it has what its core's in_forked_child set)
     from longserve.worker.worker import worker_main
     worker_main(pickle.loads(config_bytes), rank, init_method, local_rank, plans, spawned_at, results)
+    # done, its groups closed: exit here. multiprocessing's exit path joins the threads it knows of,
+    # which in a worker forked from a core forked off a server's thread fails (exit code 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def name_process(name: str) -> None:

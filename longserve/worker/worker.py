@@ -301,6 +301,11 @@ class ResultSender:
             if isinstance(message, threading.Event):
                 message.set()
                 continue
-            if isinstance(message, ModelRunnerOutput):
-                message.resolve()
-            self.ring.enqueue(message)  # (no timeout: exit_with_parent ends a wait on a gone core)
+            try:
+                if isinstance(message, ModelRunnerOutput):
+                    message.resolve()
+                self.ring.enqueue(message)  # (no timeout: exit_with_parent ends a wait on a gone core)
+            except BaseException:  # the core would wait for this step's output: end at once
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
