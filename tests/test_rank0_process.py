@@ -92,6 +92,13 @@ def test_rank_0_raising_at_start_says_why():
 
 
 @pytest.mark.timeout(240)
+def test_dense_dp_cores_each_with_rank_0_in_its_own_process(expected):
+    with LLM("builtin:qwen2-tiny", rank0_own_process=True, data_parallel_size=2, **ENGINE) as llm:
+        assert tokens(llm) == expected
+        assert_pool_whole(llm)
+
+
+@pytest.mark.timeout(240)
 def test_expert_dp_lockstep_through_the_cores_own_group():
     """dp=2 + EP: each core's rank 0 in its own process; the cores' wave check is their own all-reduce."""
     prompts = [{"prompt_token_ids": list(range(5 + i, 20 + 3 * i))} for i in range(6)]
