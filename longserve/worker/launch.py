@@ -17,7 +17,7 @@ from longserve.distributed.shm_broadcast import ShmRingBuffer
 
 @dataclass
 class WorkerProcs:
-    procs: list  # multiprocessing.Process of global ranks base + 1 .. base + replica - 1
+    procs: list  # multiprocessing.Process of global ranks base + 1 (base with rank0) .. base + replica - 1
     plans: ShmRingBuffer | None  # the ring the driver writes each step's plan to
     init_method: str  # the rendezvous: this replica's own, or an expert model's DP world's
     results: ShmRingBuffer | None = None  # rank 0 in a process of its own: its outputs, in order
@@ -44,7 +44,7 @@ def start_workers(config_bytes: bytes, base: int, replica: int, init_method: str
     for rank in range(first, base + replica):
         p = ctx.Process(target=_worker_entry, daemon=True, args=(
             config_bytes, rank, init_method, rank - base, (plans.handle, rank - first),
-            time.time(), results and results.handle if rank == base else None))
+            time.time(), results.handle if rank0 and rank == base else None))
         p.start()
         procs.append(p)
     return WorkerProcs(procs, plans, init_method, results)
