@@ -55,6 +55,18 @@ def test_same_tokens_and_nothing_left(expected, layout):
 
 
 @pytest.mark.timeout(240)
+def test_logprobs_and_prompt_logprobs_come_back_the_same():
+    params = [SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=6, logprobs=1), GREEDY, GREEDY]
+
+    def run(**kw):
+        with LLM("builtin:llama-tiny", tensor_parallel_size=2, **kw, **ENGINE) as llm:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert run(rank0_own_process=True) == run(rank0_own_process=False)
+
+
+@pytest.mark.timeout(240)
 def test_grammar_bitmask_reaches_rank_0():
     """A structured step's sampling waits for the mask, which goes to rank 0 the plan's way."""
     so = StructuredOutputsParams(regex=r"[a-c]{3}-\d\d")
