@@ -70,7 +70,7 @@ class Executor:
         self.plans: ShmRingBuffer | None = None  # the plan to the spawned workers
         self.results: ShmRingBuffer | None = None  # rank 0's outputs (its own process)
         self.ready: dict = {}  # rank 0's start-up report (Worker.ready_report)
-        self.cores_group = None  # expert DP, rank 0 in its own process: the DP cores' gloo group
+        self.cores_group = None  # expert DP: the DP cores' own gloo group (the waves' end check)
         self.port: int | None = None
         self._closing, self._step = False, 0
         self._step_lock = threading.RLock()  # held in a step: teardown frees no memory under one
@@ -89,12 +89,12 @@ class Executor:
                     self.driver = self._join_torchrun(config)
                 else:
                     self.driver = self._spawn(config)
-                if self.driver is not None:
+                if not own:
                     num_blocks = self.driver.determine_num_blocks()
                     self.driver.init_cache(num_blocks)
                     self.ready = self.driver.ready_report(num_blocks, own_phases=False)
             self.num_blocks = self.ready["num_blocks"]
-            connector = None if self.driver is None else self.driver.runner.kv_connector
+            connector = None if own else self.driver.runner.kv_connector
             # every rank of the replica holds part of each request's KV (TP x PCP; DCP is in TP)
             self.kv_aggregator = None if connector is None else \
                 KVOutputAggregator.from_connector(connector, self.driver.ps.model.world_size)
@@ -125,21 +125,17 @@ class Executor:
             self.ready = self._take_result()
             self.timeline.mark("workers")
             self.results.unlink()
-            if config.dp_lockstep:
-                self.cores_group = cores_group(w.init_method, config.parallel, self.timeout)
+        if config.dp_lockstep:  # (the world's store exists once rank 0 has joined)
+            self.cores_group = cores_group(w.init_method, config.parallel, self.timeout)
         if self.plans is not None:
             self.plans.unlink()  # every worker attached before it joined: no name left to leak
         return driver
 
     def any_across_dp(self, flag: bool) -> bool:
         """Lockstep DP: whether any DP rank's core says so (an all-reduce over the cores)."""
-        t = torch.tensor([int(flag)])
-        if self.cores_group is None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.driver.ps.dp.cpu_group)
-        else:
-            options = dist.AllreduceOptions()
-            options.reduceOp = dist.ReduceOp.MAX
-            self.cores_group.allreduce([t], options).wait()
+        t, options = torch.tensor([int(flag)]), dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self.cores_group.allreduce([t], options).wait()
         return bool(t.item())
 
     def _take_result(self):
@@ -218,7 +214,7 @@ class Executor:
     def wait_for_kv_progress(self, timeout_s: float) -> None:
         """While only KV transfers are in flight: until this rank's connector reports progress (a
         load ended, a pull was served), at most timeout_s (other ranks' connectors are polled)."""
-        event = None if self.driver is None else getattr(self.driver.runner.kv_connector, "progress", None)
+        event = None if self.own else getattr(self.driver.runner.kv_connector, "progress", None)
         if event is None:
             time.sleep(timeout_s)
             return
@@ -263,7 +259,7 @@ class Executor:
             return
         self._closing = True
         goodbye = False
-        if (self.world > 1 and self.driver is not None or self.procs) and self.failure is None:
+        if (self.own or self.world > 1 and self.driver is not None) and self.failure is None:
             with contextlib.suppress(Exception):
                 self._send_plan(SHUTDOWN)
                 goodbye = True
