@@ -1,6 +1,6 @@
 """One expert layer of Qwen3-30B-A3B's shape on one GPU: the fused Triton kernel against
-torch._grouped_mm, checked and timed (what fills GROUPED_MM_MIN_PAIRS in models/moe.py and
-BLOCK_CONFIGS in models/fused_moe_kernel.py).
+torch's grouped GEMMs (FusedMoE.torch_experts), checked and timed (what fills BLOCK_CONFIGS in
+models/fused_moe_kernel.py, and why CUDA runs the kernel at every size).
 
 128 experts, top-8, hidden 2048, expert width 768, as one rank of two holds them:
   tp2: every expert, half its width (384);  ep2: 64 whole experts (the pairs routed to the
@@ -15,7 +15,6 @@ the batch hits, at --bw), and with the router in front (its GEMM, softmax and to
     python benchmarks/bench_moe_kernel.py            # ~1-2 minutes on one H100
 """
 import argparse
-import os
 from types import SimpleNamespace
 
 import torch
@@ -23,12 +22,12 @@ import torch.nn.functional as F
 import triton.testing
 
 from longserve.models import fused_moe_kernel
-from longserve.models.moe import KERNEL_ENV, FusedMoE, select_experts
+from longserve.models.moe import FusedMoE, select_experts
 
 E, K, HIDDEN, WIDTH = 128, 8, 2048, 768
 VARIANTS = {"tp2": (2, False), "ep2": (2, True), "full": (1, True)}  # (ranks, expert parallel)
 SWEEP = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 2), (32, 64, 64, 4, 4), (32, 128, 64, 4, 3),
-         (64, 64, 64, 4, 3), (64, 128, 64, 8, 3)]  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+         (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3)]  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
 
 
 def expert_layer(ranks: int, ep: bool) -> FusedMoE:
@@ -67,22 +66,22 @@ def graphed(fn):
 
 def check_and_time(moe, num_tokens: int, path: str) -> dict:
     """Error against float32, graph replay on new inputs vs eager, median us of a replay."""
-    os.environ[KERNEL_ENV] = path
+    experts = moe.experts if path == "triton" else moe.torch_experts
     g = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, HIDDEN, device="cuda", generator=g).bfloat16()
     logits = torch.randn(num_tokens, E, device="cuda", generator=g)
     w, ids = select_experts(logits, K, True)
-    out = moe.experts(x, w, ids)
+    out = experts(x, w, ids)
     ref = reference(moe, x, w, ids)
     err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()  # 0: none routed here
-    graph, static_out = graphed(lambda: moe.experts(x, w, ids))
+    graph, static_out = graphed(lambda: experts(x, w, ids))
     x2, (w2, ids2) = torch.randn_like(x), select_experts(torch.randn_like(logits), K, True)
     for static, new in ((x, x2), (w, w2), (ids, ids2)):  # new tokens and routing, same shapes
         static.copy_(new)
     graph.replay()
-    same = torch.equal(static_out, moe.experts(x, w, ids))
-    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: moe.experts(x, w, ids), return_mode="median")
-    routed = 1e3 * triton.testing.do_bench_cudagraph(lambda: moe.experts(x, *moe.route(x)),
+    same = torch.equal(static_out, experts(x, w, ids))
+    us = 1e3 * triton.testing.do_bench_cudagraph(lambda: experts(x, w, ids), return_mode="median")
+    routed = 1e3 * triton.testing.do_bench_cudagraph(lambda: experts(x, *moe.route(x)),
                                                      return_mode="median")
     return dict(err=err, graph_ok=same, us=us, routed_us=routed)
 

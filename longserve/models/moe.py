@@ -16,11 +16,9 @@ from longserve.distributed.parallel_state import (ParallelState, all_gather_asyn
 from longserve.models.fused_ops import linear, silu_and_mul, use_triton
 from longserve.models.layers import _copy_checked, _param
 
-# Choices set from measurement (benchmarks/bench_moe_kernel.py, bench_dp.py --mode moe):
-GROUPED_MM_MIN_PAIRS = 8192  # bf16 pairs (tokens x top-k) from which torch._grouped_mm runs
-# (provisional: prefill-sized steps keep the grouped GEMMs they ran before, decode the kernel)
+# Chosen from measurement (benchmarks/bench_dp.py --mode moe):
 ALL_TO_ALL_MIN_TOKENS = 1 << 62  # tokens per DP rank from which EP dispatches by all-to-all
-KERNEL_ENV, DISPATCH_ENV = "LONGSERVE_MOE_KERNEL", "LONGSERVE_MOE_DISPATCH"  # force one
+DISPATCH_ENV = "LONGSERVE_MOE_DISPATCH"  # benchmarks force one
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -162,10 +160,15 @@ class FusedMoE(nn.Module):
         """This rank's share of sum_k weight_k * expert_k(x) for every row of x: each (token, k) pair
         of this rank's experts gets its own row of [T * k, hidden], summed per token in float32 (no
         atomics, no wait for the device, shapes set by T alone: CUDA graphs)."""
-        num_tokens, k = ids.shape
-        if use_fused_kernel(x, ids.numel()):  # it finds this rank's pairs itself
+        if use_triton(x):  # the fused kernel finds this rank's pairs itself
             from longserve.models.fused_moe_kernel import fused_experts
             return fused_experts(x, self.w13, self.w2, ids, weights, self.first)
+        return self.torch_experts(x, weights, ids)
+
+    def torch_experts(self, x, weights, ids) -> torch.Tensor:
+        """The same in torch ops (the CPU's path; slower than the kernel on CUDA at every batch
+        measured, 8 to 8,192 tokens: docs/benchmarks.md)."""
+        num_tokens, k = ids.shape
         local = local_experts(ids, self.first, self.num_local)
         pairs = self.grouped_experts(x, local, weights.flatten(), k)
         return pairs.view(num_tokens, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
@@ -174,9 +177,9 @@ class FusedMoE(nn.Module):
         """The fused path (routing, align, GEMMs, combine) once at each block config: compiled
         before serving, not by the first prefill chunks. No collective."""
         k, dev = self.top_k, self.w13.device
-        for num_pairs in (k, 1024, 4096):
+        for num_pairs in (k, 2048, 8192, 8192 + k):  # one per BLOCK_CONFIGS row
             x = torch.zeros(num_pairs // k, self.w2.shape[1], dtype=dtype, device=dev)
-            if use_fused_kernel(x, num_pairs):
+            if use_triton(x):
                 ids = torch.arange(num_pairs, device=dev).view(-1, k) % self.num_local + self.first
                 self.experts(x, torch.ones(ids.shape, device=dev), ids)
                 self.route(x)
@@ -197,17 +200,6 @@ def local_experts(ids: torch.Tensor, first: int, num_local: int) -> torch.Tensor
     [first, first + num_local), num_local for another rank's (or id -1)."""
     local = ids.flatten() - first
     return torch.where((local >= 0) & (local < num_local), local, num_local)
-
-
-def use_fused_kernel(x: torch.Tensor, num_pairs: int) -> bool:
-    """The Triton kernel (fused_moe_kernel.py) on CUDA, or torch._grouped_mm for bf16 from
-    GROUPED_MM_MIN_PAIRS pairs on; the torch path on the CPU (unless TRITON_INTERPRET=1)."""
-    if not use_triton(x):
-        return False
-    if x.dtype != torch.bfloat16:  # _grouped_mm is bf16 only; the loop would wait for the device
-        return True
-    forced = os.environ.get(KERNEL_ENV)  # benchmarks force one
-    return forced == "triton" if forced else num_pairs < GROUPED_MM_MIN_PAIRS
 
 
 class ReplicatedLinear(nn.Module):
