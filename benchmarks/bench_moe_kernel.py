@@ -10,7 +10,8 @@ against a float32 reference (the same bf16 weights, float32 math), whether a CUD
 replay on new inputs equals eager, and the median time of `FusedMoE.experts` (sort, both
 GEMMs, combine) replayed in a CUDA graph, against its bytes floor (the expert weights that
 the batch hits, at --bw), and with the router in front (its GEMM, softmax and top-k).
---sweep also times other block configs of the fused kernel.
+--sweep also times other block configs of the fused kernel; --per-launch times each GEMM launch
+alone over the configs (gate-up and down may want different tiles; both share BLOCK_M).
 
     python benchmarks/bench_moe_kernel.py            # ~1-2 minutes on one H100
 """
@@ -25,9 +26,10 @@ from longserve.models import fused_moe_kernel
 from longserve.models.moe import FusedMoE, select_experts
 
 E, K, HIDDEN, WIDTH = 128, 8, 2048, 768
-VARIANTS = {"tp2": (2, False), "ep2": (2, True), "full": (1, True)}  # (ranks, expert parallel)
+VARIANTS = {"tp2": (2, False), "ep2": (2, True), "tp4": (4, False), "ep4": (4, True), "full": (1, True)}  # (ranks, expert parallel)
 SWEEP = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 2), (32, 64, 64, 4, 4), (32, 128, 64, 4, 3),
-         (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3)]  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+         (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 3),
+         (128, 128, 64, 8, 3)]  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
 
 
 def expert_layer(ranks: int, ep: bool) -> FusedMoE:
@@ -109,13 +111,50 @@ def sweep(moe, num_tokens: int) -> str:
     return f"{best[0]:.0f} us {best[1]}"
 
 
+def per_launch(moe, num_tokens: int, bw: float) -> None:
+    """Each expert GEMM launch alone at every SWEEP config: the best few, x the bytes of the
+    expert weights it reads (align and combine timed apart)."""
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, device="cuda", generator=g).bfloat16()
+    w, ids = select_experts(torch.randn(num_tokens, E, device="cuda", generator=g), K, True)
+    hit, _ = floor_us(moe, num_tokens, bw)
+    times = {True: [], False: []}
+    for bm, bn, bk, warps, stages in SWEEP:
+        slot_pair, block_expert = fused_moe_kernel.align_pairs(ids, moe.first, moe.num_local, bm)
+        h = x.new_empty(slot_pair.numel(), moe.width)
+        out = x.new_empty(ids.numel(), HIDDEN)
+        for gate_up, a, b, c, n, k in ((True, x, moe.w13, h, moe.width, HIDDEN), (False, h, moe.w2, out, HIDDEN, moe.width)):
+            def launch():
+                fused_moe_kernel._expert_gemm[(block_expert.numel(), triton.cdiv(n, bn))](
+                    a, b, c, slot_pair, block_expert, w.flatten(), n, k, ids.numel(), K, a.stride(0), b.stride(0),
+                    b.stride(1), c.stride(0), GATE_UP=gate_up, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                    num_warps=warps, num_stages=stages, PRECISION="tf32", UPCAST=False)
+            launch()
+            floor = 1e6 * hit * (2 if gate_up else 1) * HIDDEN * moe.width * 2 / bw
+            us = 1e3 * triton.testing.do_bench_cudagraph(launch, return_mode="median")
+            times[gate_up].append((us, f"{us:.1f} us ({us / floor:.2f}x) {(bm, bn, bk, warps, stages)}"))
+    align = 1e3 * triton.testing.do_bench_cudagraph(
+        lambda: fused_moe_kernel.align_pairs(ids, moe.first, moe.num_local, 64), return_mode="median")
+    for gate_up in (True, False):
+        print(f"{num_tokens} tokens, {'gate-up' if gate_up else 'down'}: "
+              + "; ".join(t for _, t in sorted(times[gate_up])[:4]), flush=True)
+    print(f"{num_tokens} tokens, align (BLOCK_M 64): {align:.1f} us", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="tp2,ep2")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--bw", type=float, default=3.35e12, help="HBM bytes/s (H100)")
     ap.add_argument("--sweep", action="store_true", help="also time other fused block configs")
+    ap.add_argument("--per-launch", action="store_true", help="only each GEMM launch over the configs")
     args = ap.parse_args()
+    if args.per_launch:
+        for name in args.variants.split(","):
+            print(f"### {name}, {torch.cuda.get_device_name()}")
+            for n in args.batches:
+                per_launch(expert_layer(*VARIANTS[name]), n, args.bw)
+        return
     print(f"### One expert layer, {torch.cuda.get_device_name()}, bf16, CUDA-graph replays\n")
     print("| variant | tokens | experts hit | floor us | fused us (x floor) | + router us "
           "| grouped_mm us (x floor) | rel err fused / gmm | graph = eager | best sweep |")
