@@ -37,8 +37,7 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        requests = [self.engine.make_request(p, sp, data_parallel_rank)
-                    for p, sp in zip(prompts, params)]
+        requests = [self.engine.make_request(p, sp, data_parallel_rank) for p, sp in zip(prompts, params)]
         done: queue.SimpleQueue = queue.SimpleQueue()
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(requests), desc="generate", disable=not use_tqdm or len(requests) < 2)
@@ -71,8 +70,7 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts "
                              "(one conversation) or of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.engine.encode_chat(c, chat_template, add_generation_prompt)
-                   for c in conversations]
+        prompts = [self.engine.encode_chat(c, chat_template, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:

@@ -83,8 +83,7 @@ class TorchAttentionBackend:
             k = ps.pcp.all_gather(k, 0)[meta.pcp_kv_index]
             v = ps.pcp.all_gather(v, 0)[meta.pcp_kv_index]
         if layer.kv_sharing_target is None:
-            self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping,
-                          layer.kv_scale)
+            self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping, layer.kv_scale)
             meta.step_kv[layer.layer_idx] = (k, v)
         else:  # cross-layer KV sharing: the target's K/V, for the new tokens and the cache alike
             k, v = meta.step_kv[layer.kv_sharing_target]
@@ -198,8 +197,7 @@ def reference_attention(q, k, v, causal: bool, scale: float):
     Causal is top-left aligned (row i sees keys 0..i). Returns out [Sq, Hq, D], lse [Sq, Hq]."""
     sq, hq, _ = q.shape
     if k.shape[0] == 0:
-        return torch.zeros_like(q, dtype=torch.float32), torch.full((sq, hq), float("-inf"),
-                                                                   device=q.device)
+        return torch.zeros_like(q, dtype=torch.float32), torch.full((sq, hq), float("-inf"), device=q.device)
     group = hq // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
@@ -231,8 +229,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def get_supported_kernel_block_sizes():
         return [16, 32, 64, 128]
 
-    def paged_attention(self, q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None, out=None,
-                        lse=None):
+    def paged_attention(self, q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None, out=None, lse=None):
         """out / lse (with packed_paged_attention): where the Triton kernel writes."""
         if _dense_prefix(q, part) and out is None:
             return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
@@ -340,8 +337,7 @@ def sdpa_choice(device: torch.device, dtype: torch.dtype, head_dim: int) -> tupl
     return next((op for op in ops if runs(op, 2)), None), dtype in HALF and runs("cudnn", 1)
 
 
-def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None,
-                             out=None, lse=None):
+def gathered_paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None, out=None, lse=None):
     """Per request, gather its cached K/V pages (an FP8 cache dequantized to q's dtype) and attend
     without a mask: the reference paged attention, and the CUDA path for long chunks.
     q [T, Hq, D] -> out [T, Hq, D], lse [T, Hq] float32 (given: written in place, and returned)."""

@@ -34,8 +34,7 @@ def unpack_partial(parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return parts[..., :-cols], (lse if cols == 1 else lse.view(torch.float32))[..., 0]
 
 
-def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int = 1,
-                      async_op: bool = False):
+def exchange_partials(packed: torch.Tensor, cp_group, dcp: int, row_split: int = 1, async_op: bool = False):
     """The CP merge's one collective, over the CP group (rank p * dcp + r): packed [N, Hg, E]
     (`pack_partial`, the same N rows on every rank) -> [W, N / row_split, Hg / dcp, E] packed,
     source rank first (DCP rank r keeps the r-th 1/dcp of the heads, PCP rank p the p-th 1/row_split

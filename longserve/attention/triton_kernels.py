@@ -195,8 +195,7 @@ def _attend_split(q, split, kv_len, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, 
 
 # ints that change with a step's batch (request count, split count, the block table's width,
 # the partials' strides) stay unspecialized: one compile per tile config, none while serving
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split", "stride_bt", "stride_os",
-                               "stride_ls"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split", "stride_bt", "stride_os", "stride_ls"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, kv_lens_ptr,
     out_ptr, lse_ptr, kv_scale_ptr,
@@ -248,13 +247,11 @@ def _paged_attn_kernel(
     o_off = (split.to(tl.int64) * stride_os + row.to(tl.int64)[:, None] * stride_ot
              + head[:, None] * stride_oh + d[None, :])
     l_off = split.to(tl.int64) * stride_ls + row.to(tl.int64) * stride_lt + head * stride_lh
-    _write_split(out_ptr + o_off, lse_ptr + l_off, acc, m_i, l_i, v_scale, md_ok, row_ok, num_splits,
-                 BLOCK_M)
+    _write_split(out_ptr + o_off, lse_ptr + l_off, acc, m_i, l_i, v_scale, md_ok, row_ok, num_splits, BLOCK_M)
 
 
 @triton.jit
-def _write_split(o_ptrs, l_ptrs, acc, m_i, l_i, v_scale, md_ok, row_ok, num_splits,
-                 BLOCK_M: tl.constexpr):
+def _write_split(o_ptrs, l_ptrs, acc, m_i, l_i, v_scale, md_ok, row_ok, num_splits, BLOCK_M: tl.constexpr):
     """This split's out [M, D] (normalized) and lse [M] (natural log) where the kernel writes. An
     empty range (kv_len == 0, or a split past the end) gives lse -inf, and out 0 when unsplit; a
     split's empty partial is not written (the merge does not read what weighs 0)."""

@@ -59,8 +59,7 @@ def group_ranks(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
     tp, pcp, dcp, dp = (cfg.tensor_parallel_size, cfg.prefill_context_parallel_size,
                         cfg.decode_context_parallel_size, cfg.data_parallel_size)
     rank = lambda d, p, t: (d * pcp + p) * tp + t  # noqa: E731 (the module docstring's layout)
-    groups: dict[str, list[list[int]]] = {"tp": [], "pcp": [], "dcp": [], "cp": [], "dp": [],
-                                          "model": []}
+    groups: dict[str, list[list[int]]] = {"tp": [], "pcp": [], "dcp": [], "cp": [], "dp": [], "model": []}
     for d in range(dp):
         groups["model"].append([rank(d, p, t) for p in range(pcp) for t in range(tp)])
         for p in range(pcp):
@@ -70,8 +69,7 @@ def group_ranks(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
         for t in range(tp):
             groups["pcp"].append([rank(d, p, t) for p in range(pcp)])
         for head_group in range(tp // dcp):
-            groups["cp"].append([rank(d, p, head_group * dcp + r)
-                                 for p in range(pcp) for r in range(dcp)])
+            groups["cp"].append([rank(d, p, head_group * dcp + r) for p in range(pcp) for r in range(dcp)])
     for p in range(pcp):
         for t in range(tp):
             groups["dp"].append([rank(d, p, t) for d in range(dp)])
@@ -179,8 +177,7 @@ def all_gather_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = 
         work = dist.all_gather(parts, x, group=group.device_group, async_op=async_op)
         return lambda: (work is not None and work.wait(), torch.cat(parts))[1]
     out = x.new_empty((group.world_size * x.shape[0],) + tuple(x.shape[1:]))
-    return _waiter(dist.all_gather_into_tensor(out, x, group=group.device_group,
-                                               async_op=async_op), out)
+    return _waiter(dist.all_gather_into_tensor(out, x, group=group.device_group, async_op=async_op), out)
 
 
 def reduce_scatter_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):
@@ -191,8 +188,7 @@ def reduce_scatter_async(group: GroupCoordinator, x: torch.Tensor, async_op: boo
         return _waiter(work, x.chunk(group.world_size)[group.rank_in_group])
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // group.world_size,) + tuple(x.shape[1:]))
-    return _waiter(dist.reduce_scatter_tensor(out, x, group=group.device_group,
-                                              async_op=async_op), out)
+    return _waiter(dist.reduce_scatter_tensor(out, x, group=group.device_group, async_op=async_op), out)
 
 
 def all_reduce_async(group: GroupCoordinator, x: torch.Tensor, async_op: bool = True):

@@ -58,8 +58,7 @@ class ShmRingBuffer:
         self.unlinked = name is not None  # only the maker removes the name
         if name is None:
             name = f"longserve_plans_{os.getpid()}_{secrets.token_hex(4)}"
-            self.shm = shared_memory.SharedMemory(name, create=True,
-                                                  size=8 * words + slots * slot_bytes)
+            self.shm = shared_memory.SharedMemory(name, create=True, size=8 * words + slots * slot_bytes)
         else:
             self.shm = shared_memory.SharedMemory(name)
         self.handle = (name, readers, slots, slot_bytes)

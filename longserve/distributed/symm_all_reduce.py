@@ -86,8 +86,7 @@ def create(device_group, device: torch.device) -> SymmAllReduce | None:
         comm = SymmAllReduce(device_group, device, table)
     except Exception as e:  # no NVLink peer access, a torch without symmetric memory, ...
         if not _WARNED:
-            logger.warning("symmetric-memory all-reduce unavailable (%s: %s): NCCL",
-                           type(e).__name__, e)
+            logger.warning("symmetric-memory all-reduce unavailable (%s: %s): NCCL", type(e).__name__, e)
         _WARNED.append(e)
         comm = None
     ok = torch.tensor([comm is not None], dtype=torch.int32, device=device)

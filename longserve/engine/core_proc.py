@@ -242,8 +242,7 @@ def _receive_inputs(dealers: list, inputs: queue.Queue, owners: Owners) -> None:
             dealer.close()
 
 
-def _send_outputs(ctx, addresses: list[str], outputs: queue.Queue, engine_index: int,
-                  owners: Owners) -> None:
+def _send_outputs(ctx, addresses: list[str], outputs: queue.Queue, engine_index: int, owners: Owners) -> None:
     import zmq
     pushes = [ctx.socket(zmq.PUSH) for _ in addresses]
     for push, address in zip(pushes, addresses):

@@ -281,6 +281,5 @@ class LLMEngine:
 
 
 def check_dp_rank(rank, dp_size: int) -> None:
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
-                             or not 0 <= rank < dp_size):
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < dp_size):
         raise ValueError(f"data_parallel_rank must be an integer in [0, {dp_size}), got {rank!r}")

@@ -123,10 +123,6 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return None if logits is None else logits.float()
 
-    def greedy_tokens(self, hidden):
-        """[N, hidden] -> the argmax ids [N] on every TP rank."""
-        return self.lm_head.greedy(hidden)
-
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 

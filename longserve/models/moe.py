@@ -16,9 +16,8 @@ from longserve.distributed.parallel_state import (ParallelState, all_gather_asyn
 from longserve.models.fused_ops import linear, silu_and_mul, use_triton
 from longserve.models.layers import _copy_checked, _param
 
-# Chosen from measurement (benchmarks/bench_dp.py --mode moe):
-ALL_TO_ALL_MIN_TOKENS = 1 << 62  # tokens per DP rank from which EP dispatches by all-to-all
-DISPATCH_ENV = "LONGSERVE_MOE_DISPATCH"  # benchmarks force one
+# EP dispatches by all-gather: all-to-all measured no faster at any size (bench_dp.py --mode moe);
+DISPATCH_ENV = "LONGSERVE_MOE_DISPATCH"  # "all_to_all": tests and benchmarks force it
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -110,7 +109,7 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"expert layer with data_parallel_size={self.dp.world_size} "
                                  f"needs the DP-agreed token count (got {dp_pad} for {num_tokens})")
             x = F.pad(x, (0, 0, 0, dp_pad - num_tokens))
-            dispatch = self.all_to_all if self.uses_all_to_all(dp_pad) else self.all_gather
+            dispatch = self.all_to_all if self.uses_all_to_all() else self.all_gather
             y = (yield from dispatch(x, async_op))[:num_tokens]
         else:
             y = self.experts(x, *self.route(x))
@@ -124,11 +123,8 @@ class FusedMoE(nn.Module):
     def route(self, x: torch.Tensor):
         return select_experts(self.gate(x), self.top_k, self.renormalize)
 
-    def uses_all_to_all(self, dp_pad: int) -> bool:
-        mode = os.environ.get(DISPATCH_ENV)  # benchmarks force one
-        if mode is not None:
-            return mode == "all_to_all" and self.expert_parallel
-        return self.expert_parallel and dp_pad >= ALL_TO_ALL_MIN_TOKENS
+    def uses_all_to_all(self) -> bool:
+        return self.expert_parallel and os.environ.get(DISPATCH_ENV) == "all_to_all"
 
     def all_gather(self, x: torch.Tensor, async_op: bool):
         """Every rank routes the DP group's tokens and sums its experts' share of each."""

@@ -35,8 +35,7 @@ class PCPManager:
         self.pcp_group = pcp_group  # GroupCoordinator; only needed when pcp_world_size > 1
 
         def buffer(dtype: torch.dtype) -> CpuGpuBuffer:
-            return CpuGpuBuffer(max_padded_num_tokens, dtype=dtype, device=device,
-                                pin_memory=pin_memory)
+            return CpuGpuBuffer(max_padded_num_tokens, dtype=dtype, device=device, pin_memory=pin_memory)
 
         # [padded_total] padded order -> index into the gathered order
         self.pcp_allgather_restore_idx = buffer(torch.int64)
@@ -89,8 +88,7 @@ class PCPManager:
                                      is_decode[local_req])  # [W, L] each
         padded_starts = np.cumsum(padded) - padded
         self._build_restore(padded_starts[local_req] + dest, n, padded, arange_np)
-        self._gather_local_inputs(positions_np, req_indices, offset[self.pcp_rank],
-                                  local_req, n)
+        self._gather_local_inputs(positions_np, req_indices, offset[self.pcp_rank], local_req, n)
         self.pcp_allgather_restore_idx.copy_to_gpu(self.padded_total)
         self.pcp_unpad_mask.copy_to_gpu(self.padded_total)
         self.pcp_restore_unpad_idx.copy_to_gpu(self.num_real_tokens)
@@ -98,8 +96,7 @@ class PCPManager:
         L = self.local_total
         return L, positions_np[:L], req_indices[:L]
 
-    def _set_step_sizes(self, n: np.ndarray, padded: np.ndarray, positions_room: int,
-                        req_room: int) -> None:
+    def _set_step_sizes(self, n: np.ndarray, padded: np.ndarray, positions_room: int, req_room: int) -> None:
         num_reqs, padded_total = len(n), int(padded.sum())
         if num_reqs > self.max_num_reqs or padded_total > self.max_padded_num_tokens:
             raise ValueError(f"PCP step of {num_reqs} requests and {padded_total} padded "
@@ -188,8 +185,7 @@ class PCPManager:
         out[idx] = slot_mapping.to(device=out.device, dtype=out.dtype)
         return out
 
-    def restore_hidden_states(self, hidden_states: torch.Tensor,
-                              num_tokens_unpadded: int) -> torch.Tensor:
+    def restore_hidden_states(self, hidden_states: torch.Tensor, num_tokens_unpadded: int) -> torch.Tensor:
         """[>= local_total, ...] local rows -> [num_real, ...] every real token, request order; rows past
         `num_tokens_unpadded` (before CUDA-graph padding) never enter the gather."""
         if num_tokens_unpadded != self.local_total:

@@ -8,8 +8,7 @@ import torch
 
 
 class CpuGpuBuffer:
-    def __init__(self, *size: int, dtype: torch.dtype, device: torch.device | str,
-                 pin_memory: bool = False):
+    def __init__(self, *size: int, dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False):
         self.cpu = torch.zeros(*size, dtype=dtype, device="cpu", pin_memory=pin_memory)
         self.np: np.ndarray = self.cpu.numpy()
         self.gpu = torch.zeros_like(self.cpu, device=device)

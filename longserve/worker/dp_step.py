@@ -10,8 +10,7 @@ from longserve.models.dbo import run_dual_batch
 from longserve.step_plan import ScheduledRequest, SchedulerOutput
 from longserve.worker.dp_utils import coordinate_batch_across_dp
 
-from longserve.worker.step_inputs import (StepInputs, StepRows, build_block_table, prepare_step,
-                                          step_rows)
+from longserve.worker.step_inputs import StepInputs, StepRows, build_block_table, prepare_step, step_rows
 from longserve.worker.utils import is_residual_scattered_for_sp
 
 NO_GRAPH, FULL_GRAPH = 0, 2  # coordinate_batch_across_dp's CUDA-graph modes
@@ -56,8 +55,7 @@ def run_coordinated(runner, rows: StepRows, table: np.ndarray,
         return runner.model(inp.input_ids, inp.positions, inp.meta, sp, dp_pad)
     ubatches, split = [], int(per_req[:k].sum())
     for (a, b), tokens in (((0, k), slice(0, split)), ((k, len(per_req)), slice(split, n))):
-        ub = prepare_step(rows.part(a, b), table[a:b], runner.layout, ps, None, runner.device,
-                          runner.backend)
+        ub = prepare_step(rows.part(a, b), table[a:b], runner.layout, ps, None, runner.device, runner.backend)
         # the step's ids, not the micro-batch's own: placeholders are filled in there
         ubatches.append((inp.input_ids[tokens], ub.positions, ub.meta))
     runner.num_dbo_steps += 1

@@ -9,8 +9,7 @@ import numpy as np
 import torch
 
 from longserve.attention.backends import TorchAttentionBackend, TritonAttentionBackend
-from longserve.attention.kv_cache_spec import (AttentionGroup, AttentionSpec, KVCacheConfig,
-                                               KVCacheGroupSpec)
+from longserve.attention.kv_cache_spec import AttentionGroup, AttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from longserve.config import EngineConfig
 from longserve.distributed.parallel_state import ParallelState
 from longserve.host_to_device import to_device
@@ -24,8 +23,7 @@ from longserve.worker.cuda_graphs import DecodeGraphs, capture_sizes, compile_ke
 from longserve.worker.dp_step import run_coordinated, run_dummy_step
 from longserve.worker.piecewise_graphs import PIECEWISE_MODE, PiecewiseGraphs, build_piecewise
 from longserve.worker.sampler import logit_bias_arrays
-from longserve.worker.step_inputs import (CPLayout, StepInputs, build_block_table, prepare_step,
-                                          step_rows)
+from longserve.worker.step_inputs import CPLayout, StepInputs, build_block_table, prepare_step, step_rows
 from longserve.worker.step_sampler import ModelRunnerOutput, StepSampler
 from longserve.worker.utils import (KVBlockZeroer, add_kv_sharing_layers_to_kv_cache_groups,
                                     bind_kv_cache, is_residual_scattered_for_sp,
@@ -104,8 +102,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         owners = [a for a in self.layers.values() if a.kv_sharing_target is None]
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
-                   for a in owners)
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize for a in owners)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """[2, num_blocks * k, kernel_block_size, Hkv, D] per layer that owns a cache."""
@@ -119,8 +116,7 @@ class ModelRunner:
                 caches[name] = caches[f"model.layers.{a.kv_sharing_target}.self_attn.attn"]
         bind_kv_cache(caches, self.layers, self.kv_caches)
         self.kv_cache_dict = caches
-        self.zeroer.init_meta(attn_groups[0], [self.kernel_block_size], "auto", runner_only,
-                              self.layers)
+        self.zeroer.init_meta(attn_groups[0], [self.kernel_block_size], "auto", runner_only, self.layers)
 
     def kv_scales(self) -> dict[str, torch.Tensor] | None:
         """An FP8 cache's per-head scales by layer (None: the cache holds the model's dtype)."""

@@ -121,8 +121,7 @@ class PiecewiseGraphs:
             self.cos[:b].copy_(cos)
             self.sin[:b].copy_(sin)
         else:
-            hidden, residual = m.layers[i - 1].after_attention(self.attn_out[:b],
-                                                               self.residual[:b])
+            hidden, residual = m.layers[i - 1].after_attention(self.attn_out[:b], self.residual[:b])
         if i == self.num_layers:
             self.hidden[:b].copy_(m.norm(hidden, residual)[0])
             return

@@ -29,8 +29,7 @@ class Sampler:
         return tokens
 
     def _sample(self, logits, params, seed_offsets):
-        temps = to_device(np.array([max(p.temperature, 1e-5) for p in params], np.float32),
-                          logits.device)
+        temps = to_device(np.array([max(p.temperature, 1e-5) for p in params], np.float32), logits.device)
         logits = logits / temps[:, None]
         logits = apply_top_k(logits, [p.top_k for p in params])
         logits = apply_top_p(logits, [p.top_p for p in params])

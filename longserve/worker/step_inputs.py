@@ -114,8 +114,7 @@ def prepare_step(rows: StepRows, table: np.ndarray, layout: CPLayout,
         meta.decode = PagedPart(qsl, kv_lens, kernel_table[:num_decodes], 1, decode_qsl.tolist(),
                                 decode_kv_lens.tolist())
     local_starts = np.concatenate(([0], np.cumsum(local_n)))
-    add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kernel_table, layout, ps,
-                      device)
+    add_prefill_parts(meta, n, computed, starts, local_starts, num_decodes, kernel_table, layout, ps, device)
     placeholder_rows = np.flatnonzero(token_ids == PLACEHOLDER)
     first = num_reqs - len(rows.requests)
     return StepInputs(
@@ -140,8 +139,7 @@ def cp_local(lens: torch.Tensor, layout: CPLayout) -> torch.Tensor:
     return get_dcp_local_seq_lens(lens, layout.cp_world_size, layout.cp_rank, layout.interleave_size)
 
 
-def paged_part(qsl: np.ndarray, kv_lens: torch.Tensor, table: torch.Tensor, max_q: int,
-               device) -> PagedPart:
+def paged_part(qsl: np.ndarray, kv_lens: torch.Tensor, table: torch.Tensor, max_q: int, device) -> PagedPart:
     kv_lens = kv_lens.to(torch.int32)
     return PagedPart(query_start_loc=to_device(qsl.astype(np.int32), device),
                      kv_lens=to_device(kv_lens, device), block_table=table, max_query_len=int(max_q),

@@ -75,7 +75,7 @@ class StepSampler:
             if inp.prompt_logprob_rows is not None:  # every TP rank joins the logits gathers
                 prompt_lps = self.prompt_logprobs(out.requests, hidden, inp.prompt_logprob_rows)
             rows = hidden[inp.logits_indices]  # plain greedy rows: their argmax ids instead
-            logits = self.model.greedy_tokens(rows) if greedy else self.model.compute_logits(rows)
+            logits = self.model.lm_head.greedy(rows) if greedy else self.model.compute_logits(rows)
             if self.ps.tp.is_first_rank:
                 output = ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps)
         if logits is not None and structured:

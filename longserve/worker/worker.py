@@ -135,8 +135,7 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         if self.runner.kv_connector is not None:
-            self.runner.kv_connector.register_kv_caches(self.runner.kv_cache_dict,
-                                                        self.runner.kv_scales())
+            self.runner.kv_connector.register_kv_caches(self.runner.kv_cache_dict, self.runner.kv_scales())
         self.timeline.mark("KV cache")
         if self.device.type == "cuda" and not self.config.enforce_eager:
             t0 = time.perf_counter()
