@@ -71,3 +71,27 @@ def test_kv_sharing_matches_plain_torch(kw):
         assert len({c.data_ptr() for c in runner.kv_caches}) == 2
     finally:
         llm.shutdown()
+
+
+def test_only_a_layer_read_by_others_keeps_its_step_kv():
+    """A step's K/V rows stay referenced past their layer (meta.step_kv) only where a later layer
+    reads them: a decode graph keeps its metadata, and with every layer's rows (views of the QKV
+    output) each graph held ~10 KB a token a layer (an H200 ran out of memory capturing them)."""
+    import numpy as np
+    from longserve.attention.backends import Attention, TorchAttentionBackend
+    from longserve.attention.metadata import AttentionMetadata
+    from longserve.distributed.parallel_state import single_rank_state
+    from longserve.worker.step_inputs import CPLayout, add_prefill_parts
+    ps = single_rank_state()
+    meta = AttentionMetadata(num_decode_tokens=0, num_tokens=3, slot_mapping=torch.arange(3), decode=None,
+                             ps=ps, backend=TorchAttentionBackend())
+    add_prefill_parts(meta, np.array([3]), np.array([0]), np.array([0, 3]), np.array([0, 3]), 0,
+                      torch.zeros(1, 2, dtype=torch.int32), CPLayout(4, 1, 0, 1), ps, "cpu")
+    layers = [Attention(0, 2, 1, 8, 0.3), Attention(1, 2, 1, 8, 0.3, kv_shared=True),
+              Attention(2, 2, 1, 8, 0.3, kv_sharing_target=1)]
+    for a in layers:
+        a.kv_cache = torch.zeros(2, 2, 4, 1, 8)
+    q, k, v = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    outs = [a(q, k, v, meta) for a in layers]
+    assert list(meta.step_kv) == [1]
+    torch.testing.assert_close(outs[2], outs[1])  # the reader attends over its target's rows

@@ -50,12 +50,13 @@ class Attention(nn.Module):
     """The attention of one layer; its KV cache tensor is bound after allocation."""
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, kv_sharing_target: int | None = None):
+                 scale: float, kv_sharing_target: int | None = None, kv_shared: bool = False):
         super().__init__()
         self.layer_idx, self.layer_name = layer_idx, f"model.layers.{layer_idx}.self_attn.attn"
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.kv_sharing_target = kv_sharing_target  # layer index whose KV this layer reads
+        self.kv_shared = kv_shared  # a later layer reads this one's KV (its step rows: meta.step_kv)
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
         # FP8 cache: [2, Hkv] float32 scales (K row, V row) of the cache this layer reads;
         # None when the cache holds the model's dtype (models/kv_scales.py)
@@ -84,7 +85,8 @@ class TorchAttentionBackend:
             v = ps.pcp.all_gather(v, 0)[meta.pcp_kv_index]
         if layer.kv_sharing_target is None:
             self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping, layer.kv_scale)
-            meta.step_kv[layer.layer_idx] = (k, v)
+            if layer.kv_shared:  # kept to the step's end (a decode graph's, as long as the graph)
+                meta.step_kv[layer.layer_idx] = (k, v)
         else:  # cross-layer KV sharing: the target's K/V, for the new tokens and the cache alike
             k, v = meta.step_kv[layer.kv_sharing_target]
         nd = meta.num_decode_tokens

@@ -30,7 +30,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = d
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5,
-                              kv_sharing_target=cfg.kv_sharing.get(layer_idx))
+                              kv_sharing_target=cfg.kv_sharing.get(layer_idx),
+                              kv_shared=layer_idx in cfg.kv_sharing.values())
 
     def qkv(self, cos_sin, hidden, out=None):
         """hidden [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D]: projected, RoPE applied
