@@ -123,12 +123,10 @@ def per_launch(moe, num_tokens: int, bw: float) -> None:
         slot_pair, block_expert = fused_moe_kernel.align_pairs(ids, moe.first, moe.num_local, bm)
         h = x.new_empty(slot_pair.numel(), moe.width)
         out = x.new_empty(ids.numel(), HIDDEN)
-        for gate_up, a, b, c, n, k in ((True, x, moe.w13, h, moe.width, HIDDEN), (False, h, moe.w2, out, HIDDEN, moe.width)):
+        for gate_up, a, b, c in ((True, x, moe.w13, h), (False, h, moe.w2, out)):
             def launch():
-                fused_moe_kernel._expert_gemm[(block_expert.numel(), triton.cdiv(n, bn))](
-                    a, b, c, slot_pair, block_expert, w.flatten(), n, k, ids.numel(), K, a.stride(0), b.stride(0),
-                    b.stride(1), c.stride(0), GATE_UP=gate_up, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                    num_warps=warps, num_stages=stages, PRECISION="tf32", UPCAST=False)
+                fused_moe_kernel.expert_gemm(gate_up, a, b, c, slot_pair, block_expert, w.flatten(), K,
+                                             (bm, bn, bk, warps, stages))
             launch()
             floor = 1e6 * hit * (2 if gate_up else 1) * HIDDEN * moe.width * 2 / bw
             us = 1e3 * triton.testing.do_bench_cudagraph(launch, return_mode="median")

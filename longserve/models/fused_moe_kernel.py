@@ -120,22 +120,28 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     ranks', nor id -1) of weight * expert(x[token])."""
     (num_tokens, top_k), (num_local, hidden, width) = ids.shape, w2.shape
     num_pairs = num_tokens * top_k
-    bm, bn, bk, warps, stages = block_config(num_pairs)
-    slot_pair, block_expert = align_pairs(ids, first, num_local, bm)
+    config = block_config(num_pairs)
+    slot_pair, block_expert = align_pairs(ids, first, num_local, config[0])
     weights = weights.flatten().float()  # no copy for select_experts' [T, k] float32
     h = x.new_empty(slot_pair.numel(), width)
     out = x.new_empty(num_pairs, hidden)  # rows of other ranks' pairs stay unwritten
-    on_gpu = x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-    kw = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-              PRECISION="ieee" if x.dtype == torch.float32 or not on_gpu else "tf32",
-              UPCAST=not on_gpu)
     x = x.contiguous()  # rows of x (and of the weights) are read with unit stride
-    launches = ((True, x, w13, h, width, hidden), (False, h, w2, out, hidden, width))
-    for gate_up, a, b, c, n, k in launches:  # (b's rows: n outputs, k inputs)
-        _expert_gemm[(block_expert.numel(), triton.cdiv(n, bn))](
-            a, b, c, slot_pair, block_expert, weights, n, k, num_pairs, top_k, a.stride(0),
-            b.stride(0), b.stride(1), c.stride(0), GATE_UP=gate_up, **kw)
+    expert_gemm(True, x, w13, h, slot_pair, block_expert, weights, top_k, config)
+    expert_gemm(False, h, w2, out, slot_pair, block_expert, weights, top_k, config)
     return combine_pairs(out, ids, first, num_local)
+
+
+def expert_gemm(gate_up: bool, a, b, c, slot_pair, block_expert, weights, top_k: int, config: tuple) -> None:
+    """One launch over the sorted slots: gate-up (a: x by token, b: w13, c: h by slot, SiLU-and-mul)
+    or down (a: h, b: w2, c: the pairs' rows, times their weight); config: a BLOCK_CONFIGS row's tiles."""
+    bm, bn, bk, warps, stages = config
+    n, k = (b.shape[1] // 2, b.shape[2]) if gate_up else b.shape[1:]  # b's rows: n outputs, k inputs
+    on_gpu = a.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    _expert_gemm[(block_expert.numel(), triton.cdiv(n, bn))](
+        a, b, c, slot_pair, block_expert, weights, n, k, weights.numel(), top_k, a.stride(0), b.stride(0),
+        b.stride(1), c.stride(0), GATE_UP=gate_up, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        num_stages=stages, PRECISION="ieee" if a.dtype == torch.float32 or not on_gpu else "tf32",
+        UPCAST=not on_gpu)
 
 
 @triton.jit

@@ -173,12 +173,13 @@ class FusedMoE(nn.Module):
         """The fused path (routing, align, GEMMs, combine) once at each block config: compiled
         before serving, not by the first prefill chunks. No collective."""
         k, dev = self.top_k, self.w13.device
+        if not use_triton(self.w13):
+            return
         for num_pairs in (k, 2048, 8192, 8192 + k):  # one per BLOCK_CONFIGS row
             x = torch.zeros(num_pairs // k, self.w2.shape[1], dtype=dtype, device=dev)
-            if use_triton(x):
-                ids = torch.arange(num_pairs, device=dev).view(-1, k) % self.num_local + self.first
-                self.experts(x, torch.ones(ids.shape, device=dev), ids)
-                self.route(x)
+            ids = torch.arange(num_pairs, device=dev).view(-1, k) % self.num_local + self.first
+            self.experts(x, torch.ones(ids.shape, device=dev), ids)
+            self.route(x)
 
     def grouped_experts(self, x, local, weights, k) -> torch.Tensor:
         """The same through grouped GEMMs over the pairs sorted by local expert: [T * k, hidden]."""

@@ -75,8 +75,6 @@ class PiecewiseGraphs:
         self.q, self.attn_out = buf(attn.num_heads, d), buf(attn.num_heads, d)
         self.k, self.v = buf(attn.num_kv_heads, d), buf(attn.num_kv_heads, d)
         self.residual, self.hidden = buf(model.cfg.hidden_size), buf(model.cfg.hidden_size)
-        # layers whose K/V a later layer reads (meta.step_kv): keep them past the next segment
-        self.kv_targets = {a.kv_sharing_target for a in model.attention_layers()} - {None}
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one per segment
         self.num_steps = 0  # steps run piecewise
         self.capture_s = 0.0  # seconds capture() took
@@ -108,7 +106,7 @@ class PiecewiseGraphs:
         """Layer i's attention over the real rows [0, t): stores their K/V, fills attn_out."""
         attn = self.model.layers[i].self_attn.attn
         q, k, v = self.q[:t], self.k[:t], self.v[:t]
-        if i in self.kv_targets:  # the buffers are overwritten by the next segment
+        if attn.kv_shared:  # a later layer reads them (meta.step_kv); the next segment overwrites the buffers
             k, v = k.clone(), v.clone()
         attn(q, k, v, meta, out=self.attn_out[:t])
 
