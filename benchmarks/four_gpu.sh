@@ -16,6 +16,8 @@
 #                test's engines on 2-3, float32); pd-tests2: on two GPUs (producer on 0, the test's
 #                engines on 1), the cases of one GPU a side (no layout case, no DCP consumer)
 #       pd-transfer  issue 45: the raw transfer against a plain copy, the handover (+ its traces)
+#       allreduce  issue 44: NCCL against symmetric memory (one-/two-shot) at four ranks in CUDA graphs,
+#                and the ALGORITHMS[4] row of distributed/symm_all_reduce.py those times give
 #       cmp-LAYOUT  issue 45: one bench_pd.sh layout of the mixed-workload comparison (cmp-tp4,
 #                cmp-dp2-tp2, cmp-pd-pcp2-tp2, cmp-pd-tp2-tp2; rates $PD_RATES, default 3,5; bench_pd.sh
 #                reads PRODUCER, CONSUMER, PROXY (e.g. "--local-prefill-tokens 4096") and CONNECT)
@@ -91,6 +93,8 @@ case $part in
     (cd .. && LONGSERVE_TEST_PD_DEVICE=cuda LONGSERVE_TEST_PRODUCER_GPUS=0 CUDA_VISIBLE_DEVICES=1 \
       timeout 540 python -m pytest -v -p no:cacheprovider -o addopts="" -k "not layouts and not empty_shard" \
       tests/test_kv_disagg.py) > "$out/pd-tests2.log" 2>&1 ;;
+  allreduce)
+    python bench_allreduce.py > "$out/allreduce.log" 2>&1 ;;
   pd-transfer)
     CUDA_VISIBLE_DEVICES=0,1 python bench_kv_transfer.py --mode raw > "$out/pd-transfer.log" 2>&1
     CUDA_VISIBLE_DEVICES=0,1 python bench_kv_transfer.py --mode engine --requests 3 --connect-eagerly \
@@ -99,7 +103,7 @@ case $part in
   cmp-*)  # bench_pd.sh writes the servers' logs to $part.log
     ./bench_pd.sh "${part#cmp-}" "$out/$part.json" --rates "${PD_RATES:-3,5}" --client-procs 4 \
       > "$out/$part-bench.log" 2>&1 ;;
-  *) echo "PART: pcp, decode, moe, startup, served, profile, moe-profile, pd-tests(2), pd-transfer or cmp-LAYOUT" >&2; exit 2 ;;
+  *) echo "PART: pcp, decode, moe, startup, served, profile, moe-profile, pd-tests(2), pd-transfer, allreduce or cmp-LAYOUT" >&2; exit 2 ;;
 esac
 tail -n 12 "$out"/"$part"*.log
 tar czf "${out%/}.tgz" -C "$out" .

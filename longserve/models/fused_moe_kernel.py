@@ -12,8 +12,8 @@ import triton.language as tl
 from longserve.attention.triton_kernels import _dot
 
 # (up to this many pairs, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the best of
-# benchmarks/bench_moe_kernel.py --sweep at Qwen3-30B-A3B's shapes, 32-8,192 tokens (within 4%)
-BLOCK_CONFIGS = [(256, 16, 64, 128, 4, 4), (2048, 32, 64, 64, 4, 4), (8192, 64, 64, 64, 4, 3),
+# benchmarks/bench_moe_kernel.py --sweep at Qwen3-30B-A3B's shapes, 16-8,192 tokens (within 4%)
+BLOCK_CONFIGS = [(1024, 16, 64, 128, 4, 3), (2048, 32, 64, 64, 4, 4), (8192, 64, 64, 64, 4, 3),
                  (1 << 62, 128, 128, 64, 8, 3)]
 PLACE_CHUNK, PLACE_BLOCKS = 128, 8  # pairs and blocks of one _place_kernel program
 
