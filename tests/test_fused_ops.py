@@ -42,16 +42,20 @@ def check_all(device: str) -> None:
         pos = torch.randint(0, 5000, (37,), generator=g).float()[:, None]
         freqs = pos * (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))[None, :]
         cos, sin = freqs.cos().to(device), freqs.sin().to(device)
-        strided = heads[:, 1:4]  # a view of some heads, as q/k are views of the fused qkv
-        torch.testing.assert_close(ops.rotary(strided, cos, sin), ops.rotary_torch(strided, cos, sin),
-                                   atol=tol or 1e-2, rtol=tol or 1e-2)
-        hw = (1 + 0.1 * torch.randn(64, generator=g)).to(device, dtype)
-        normed = ops.rotary_torch(ops.rms_norm_torch(strided, hw, 1e-6), cos, sin)
-        torch.testing.assert_close(ops.rotary(strided, cos, sin, hw, 1e-6), normed, atol=atol, rtol=tol)
-        static = torch.zeros(40, 3, 64, device=device, dtype=dtype)  # rows of a bigger buffer
-        got = ops.rotary(strided, cos, sin, hw, 1e-6, out=static[:37])
-        assert got.data_ptr() == static.data_ptr() and not static[37:].any()
-        assert torch.equal(static[:37], ops.rotary(strided, cos, sin, hw, 1e-6))
+        q, k = heads[:, :3], heads[:, 3:4]  # views of some heads, as q/k are views of the fused qkv
+        got = ops.rotary(q, k, cos, sin)
+        for x, y in zip(got, (q, k)):
+            assert x.is_contiguous()
+            torch.testing.assert_close(x, ops.rotary_torch(y, cos, sin), atol=tol or 1e-2, rtol=tol or 1e-2)
+        qw, kw = ((1 + 0.1 * torch.randn(64, generator=g)).to(device, dtype) for _ in range(2))
+        got = ops.rotary(q, k, cos, sin, (qw, 1e-6), (kw, 1e-6))
+        for x, y, w in zip(got, (q, k), (qw, kw)):  # each its own norm weight
+            torch.testing.assert_close(x, ops.rotary_torch(ops.rms_norm_torch(y, w, 1e-6), cos, sin),
+                                       atol=atol, rtol=tol)
+        static = torch.zeros(40, 4, 64, device=device, dtype=dtype)  # rows of bigger buffers
+        outs = ops.rotary(q, k, cos, sin, (qw, 1e-6), (kw, 1e-6), out=(static[:37, :3], static[:37, 3:]))
+        assert outs[0].data_ptr() == static.data_ptr() and not static[37:].any()
+        assert all(torch.equal(a, b) for a, b in zip(outs, got))
 
         gu = torch.randn(37, 2 * 80, generator=g).to(device, dtype)
         torch.testing.assert_close(ops.silu_and_mul(gu), ops.silu_and_mul_torch(gu),

@@ -35,18 +35,22 @@ def rms_norm_torch(x, weight, eps, residual=None):
     return out if residual is None else (out, residual)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Neox-style rotary embedding. x [T, H, D] (last dim contiguous); cos / sin [T, D/2]
-    float32 -> rotated x (in `out` when given, a contiguous [T, H, D]); with norm_weight
-    [D], each head is RMS-normalised first (Qwen3)."""
-    if not use_triton(x):
-        if norm_weight is not None:
-            x = rms_norm_torch(x, norm_weight, eps)
-        return rotary_torch(x, cos, sin) if out is None else out.copy_(rotary_torch(x, cos, sin))
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           q_norm: tuple | None = None, k_norm: tuple | None = None, out: tuple | None = None):
+    """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D] (last dims contiguous) in one
+    kernel; cos / sin [T, D/2] float32 -> rotated (q, k): into out = (q_out, k_out) when
+    given, else new contiguous tensors. q_norm / k_norm: (weight [D], eps) of a per-head RMSNorm applied
+    first (Qwen3; both or neither)."""
+    if not use_triton(q):
+        return tuple(_rotary_one(x, cos, sin, norm, o)
+                     for x, norm, o in zip((q, k), (q_norm, k_norm), out or (None, None)))
     from longserve.models.fused_kernels import rotary_triton
-    return rotary_triton(x, cos, sin, norm_weight, eps, out)
+    return rotary_triton(q, k, cos, sin, q_norm, k_norm, out)
+
+
+def _rotary_one(x, cos, sin, norm, out):
+    x = x if norm is None else rms_norm_torch(x, *norm)
+    return rotary_torch(x, cos, sin) if out is None else out.copy_(rotary_torch(x, cos, sin))
 
 
 def rotary_torch(x, cos, sin):

@@ -210,10 +210,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, cos_sin, q, k, q_norm=None, k_norm=None, out=None):
         """q [T, Hq, D]; k [T, Hk, D]; q_norm / k_norm: per-head RMSNorms applied first;
         out: (q_out, k_out) to write the results into."""
-        q_out, k_out = (None, None) if out is None else out
-        return (rotary(q, *cos_sin, *_norm_args(q_norm), out=q_out),
-                rotary(k, *cos_sin, *_norm_args(k_norm), out=k_out))
+        return rotary(q, k, *cos_sin, _norm_args(q_norm), _norm_args(k_norm), out)
 
 
 def _norm_args(norm):
-    return () if norm is None else (norm.weight, norm.eps)
+    return None if norm is None else (norm.weight, norm.eps)
