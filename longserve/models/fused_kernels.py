@@ -47,14 +47,13 @@ def rms_norm_triton(x, weight, eps, residual=None):
 # one program per token, all its q heads and then all its k heads
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, c, s, w_ptr, eps, stride_xh, stride_oh, H, i,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
-    """One token's H heads (x_ptr, out_ptr: at that token's row); c, s [1, BLOCK] float32."""
-    h = tl.arange(0, BLOCK_H)[:, None]
-    ok = (h < H) & (i < HALF)
-    src = x_ptr + h * stride_xh
-    x1 = tl.load(src + i, mask=ok, other=0.0)
-    x2 = tl.load(src + HALF + i, mask=ok, other=0.0)
+def _rotate_heads(x_ptr, out_ptr, c, s, w_ptr, eps, H, i, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  NORM: tl.constexpr):
+    """One token's H heads (x_ptr, out_ptr: at that token's row, heads 2 * HALF apart); c, s [1, BLOCK]."""
+    h = tl.arange(0, BLOCK_H)[:, None] * (2 * HALF)
+    ok = (h < H * 2 * HALF) & (i < HALF)
+    x1 = tl.load(x_ptr + h + i, mask=ok, other=0.0)
+    x2 = tl.load(x_ptr + h + HALF + i, mask=ok, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     if NORM:  # RMSNorm over each head's 2 * HALF values, rounded as rms_norm_torch rounds
         r = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF) + eps)[:, None]
@@ -62,36 +61,33 @@ def _rotate_heads(x_ptr, out_ptr, c, s, w_ptr, eps, stride_xh, stride_oh, H, i,
         w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
         a = ((a * r).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
         b = ((b * r).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    dst = out_ptr + h * stride_oh
-    tl.store(dst + i, (a * c - b * s).to(x1.dtype), mask=ok)
-    tl.store(dst + HALF + i, (b * c + a * s).to(x1.dtype), mask=ok)
+    tl.store(out_ptr + h + i, (a * c - b * s).to(x1.dtype), mask=ok)
+    tl.store(out_ptr + h + HALF + i, (b * c + a * s).to(x1.dtype), mask=ok)
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot,
-                   stride_koh, stride_c, HQ, HK, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, stride_q, stride_k,
+                   stride_qo, stride_ko, stride_c, HQ, HK, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
                    BLOCK_HK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)[None, :]
     dtype = q_ptr.dtype.element_ty  # cos / sin rounded to it, as HF multiplies in the model dtype
     c = tl.load(cos_ptr + t * stride_c + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_c + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, c, s, qw_ptr, eps, stride_qh,
-                  stride_qoh, HQ, i, HALF, BLOCK_HQ, NORM)
-    _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, c, s, kw_ptr, eps, stride_kh,
-                  stride_koh, HK, i, HALF, BLOCK_HK, NORM)
+    _rotate_heads(q_ptr + t * stride_q, qo_ptr + t * stride_qo, c, s, qw_ptr, eps, HQ, i, HALF, BLOCK_HQ,
+                  NORM)
+    _rotate_heads(k_ptr + t * stride_k, ko_ptr + t * stride_ko, c, s, kw_ptr, eps, HK, i, HALF, BLOCK_HK,
+                  NORM)
 
 
 def rotary_triton(q, k, cos, sin, q_norm=None, k_norm=None, out=None):
     (T, HQ, D), HK = q.shape, k.shape[1]
-    q_out, k_out = out or (torch.empty_like(q, memory_format=torch.contiguous_format),
-                           torch.empty_like(k, memory_format=torch.contiguous_format))
-    if T:
-        assert q.stride(-1) == k.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    q_out, k_out = out or (q.new_empty(q.shape), k.new_empty(k.shape))
+    if T:  # each token's heads packed (views of the fused QKV output are)
+        assert all(x.stride()[1:] == (D, 1) for x in (q, k, q_out, k_out)) and cos.stride() == sin.stride()
         (qw, eps), (kw, _) = (q_norm, k_norm) if q_norm is not None else ((cos, 0.0), (cos, 0.0))  # dummies
-        _rotary_kernel[(T,)](q, k, q_out, k_out, cos, sin, qw, kw, eps, *q.stride()[:2], *k.stride()[:2],
-                             *q_out.stride()[:2], *k_out.stride()[:2], cos.stride(0), HQ, HK, HALF=D // 2,
+        _rotary_kernel[(T,)](q, k, q_out, k_out, cos, sin, qw, kw, eps, q.stride(0), k.stride(0),
+                             q_out.stride(0), k_out.stride(0), cos.stride(0), HQ, HK, HALF=D // 2,
                              BLOCK_HQ=triton.next_power_of_2(HQ), BLOCK_HK=triton.next_power_of_2(HK),
                              BLOCK=triton.next_power_of_2(D // 2), NORM=q_norm is not None,
                              num_warps=4 if HQ * D >= 2048 else 2)

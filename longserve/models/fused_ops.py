@@ -37,10 +37,10 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            q_norm: tuple | None = None, k_norm: tuple | None = None, out: tuple | None = None):
-    """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D] (last dims contiguous) in one
-    kernel; cos / sin [T, D/2] float32 -> rotated (q, k): into out = (q_out, k_out) when given, else
-    new contiguous tensors. q_norm / k_norm: (weight [D], eps) of a per-head RMSNorm applied first
-    (Qwen3; both or neither)."""
+    """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D] (each token's heads packed) in
+    one kernel; cos / sin [T, D/2] float32 -> rotated (q, k): into out = (q_out, k_out) (heads
+    packed) when given, else new contiguous tensors. q_norm / k_norm: (weight [D], eps) of a
+    per-head RMSNorm applied first (Qwen3; both or neither)."""
     if not use_triton(q):
         return tuple(_rotary_one(x, cos, sin, norm, o)
                      for x, norm, o in zip((q, k), (q_norm, k_norm), out or (None, None)))
