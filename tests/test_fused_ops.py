@@ -48,12 +48,12 @@ def check_all(device: str) -> None:
             assert x.is_contiguous()
             torch.testing.assert_close(x, ops.rotary_torch(y, cos, sin), atol=tol or 1e-2, rtol=tol or 1e-2)
         qw, kw = ((1 + 0.1 * torch.randn(64, generator=g)).to(device, dtype) for _ in range(2))
-        got = ops.rotary(q, k, cos, sin, (qw, 1e-6), (kw, 1e-6))
+        got = ops.rotary(q, k, cos, sin, (qw, kw, 1e-6))
         for x, y, w in zip(got, (q, k), (qw, kw)):  # each its own norm weight
             torch.testing.assert_close(x, ops.rotary_torch(ops.rms_norm_torch(y, w, 1e-6), cos, sin),
                                        atol=atol, rtol=tol)
         static = [torch.zeros(40, h, 64, device=device, dtype=dtype) for h in (3, 1)]  # bigger buffers
-        outs = ops.rotary(q, k, cos, sin, (qw, 1e-6), (kw, 1e-6), out=(static[0][:37], static[1][:37]))
+        outs = ops.rotary(q, k, cos, sin, (qw, kw, 1e-6), out=(static[0][:37], static[1][:37]))
         assert outs[0].data_ptr() == static[0].data_ptr() and not static[0][37:].any()
         assert all(torch.equal(a, b) for a, b in zip(outs, got))
 

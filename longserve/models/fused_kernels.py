@@ -80,16 +80,16 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
                   NORM)
 
 
-def rotary_triton(q, k, cos, sin, q_norm=None, k_norm=None, out=None):
+def rotary_triton(q, k, cos, sin, norm=None, out=None):
     (T, HQ, D), HK = q.shape, k.shape[1]
     q_out, k_out = out or (q.new_empty(q.shape), k.new_empty(k.shape))
     if T:  # each token's heads packed (views of the fused QKV output are)
         assert all(x.stride()[1:] == (D, 1) for x in (q, k, q_out, k_out)) and cos.stride() == sin.stride()
-        (qw, eps), (kw, _) = (q_norm, k_norm) if q_norm is not None else ((cos, 0.0), (cos, 0.0))  # dummies
+        qw, kw, eps = norm or (cos, cos, 0.0)  # dummy pointers without the norm
         _rotary_kernel[(T,)](q, k, q_out, k_out, cos, sin, qw, kw, eps, q.stride(0), k.stride(0),
                              q_out.stride(0), k_out.stride(0), cos.stride(0), HQ, HK, HALF=D // 2,
                              BLOCK_HQ=triton.next_power_of_2(HQ), BLOCK_HK=triton.next_power_of_2(HK),
-                             BLOCK=triton.next_power_of_2(D // 2), NORM=q_norm is not None,
+                             BLOCK=triton.next_power_of_2(D // 2), NORM=norm is not None,
                              num_warps=4 if HQ * D >= 2048 else 2)
     return q_out, k_out
 

@@ -36,20 +36,21 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           q_norm: tuple | None = None, k_norm: tuple | None = None, out: tuple | None = None):
+           norm: tuple | None = None, out: tuple | None = None):
     """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D] (each token's heads packed) in
     one kernel; cos / sin [T, D/2] float32 -> rotated (q, k): into out = (q_out, k_out) (heads
-    packed) when given, else new contiguous tensors. q_norm / k_norm: (weight [D], eps) of a
-    per-head RMSNorm applied first (Qwen3; both or neither)."""
+    packed) when given, else new contiguous tensors. norm: (q weight [D], k weight [D], eps) of
+    the per-head RMSNorms applied first (Qwen3)."""
     if not use_triton(q):
-        return tuple(_rotary_one(x, cos, sin, norm, o)
-                     for x, norm, o in zip((q, k), (q_norm, k_norm), out or (None, None)))
+        weights = (None, None) if norm is None else norm[:2]
+        return tuple(_rotary_one(x, cos, sin, w, norm and norm[2], o)
+                     for x, w, o in zip((q, k), weights, out or (None, None)))
     from longserve.models.fused_kernels import rotary_triton
-    return rotary_triton(q, k, cos, sin, q_norm, k_norm, out)
+    return rotary_triton(q, k, cos, sin, norm, out)
 
 
-def _rotary_one(x, cos, sin, norm, out):
-    x = x if norm is None else rms_norm_torch(x, *norm)
+def _rotary_one(x, cos, sin, weight, eps, out):
+    x = x if weight is None else rms_norm_torch(x, weight, eps)
     return rotary_torch(x, cos, sin) if out is None else out.copy_(rotary_torch(x, cos, sin))
 
 

@@ -210,8 +210,5 @@ class RotaryEmbedding(nn.Module):
     def forward(self, cos_sin, q, k, q_norm=None, k_norm=None, out=None):
         """q [T, Hq, D]; k [T, Hk, D]; q_norm / k_norm: per-head RMSNorms applied first;
         out: (q_out, k_out) to write the results into."""
-        return rotary(q, k, *cos_sin, _norm_args(q_norm), _norm_args(k_norm), out)
-
-
-def _norm_args(norm):
-    return None if norm is None else (norm.weight, norm.eps)
+        norm = None if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        return rotary(q, k, *cos_sin, norm, out)

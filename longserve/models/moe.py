@@ -16,7 +16,7 @@ from longserve.distributed.parallel_state import (ParallelState, all_gather_asyn
 from longserve.models.fused_ops import linear, silu_and_mul, use_triton
 from longserve.models.layers import _copy_checked, _param
 
-# EP dispatches by all-gather: all-to-all measured no faster at any size (bench_dp.py --mode moe);
+# EP dispatches by all-gather: all-to-all measured no faster at any size (bench_dp.py --mode moe)
 DISPATCH_ENV = "LONGSERVE_MOE_DISPATCH"  # "all_to_all": tests and benchmarks force it
 
 
