@@ -1,7 +1,5 @@
-"""LongServe: a compact LLM inference engine for long contexts on several GPUs.
-
-The names below load on first use, so a process that only starts workers (engine/__main__.py)
-imports no torch by importing the package."""
+"""LongServe: a compact LLM inference engine for long contexts on several GPUs. The names below
+load on first use, so a process that only starts workers (engine/__main__.py) imports no torch."""
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 

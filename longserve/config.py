@@ -192,10 +192,8 @@ class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # CPU has no free-memory probe worth trusting: the KV cache gets this many bytes.
-    cpu_kv_cache_bytes: int = 256 << 20
-    # Set by the worker after sizing (or by the user, to force a small pool).
-    num_blocks: int | None = None
+    cpu_kv_cache_bytes: int = 256 << 20  # the CPU's KV cache: no free-memory probe worth trusting
+    num_blocks: int | None = None  # set by the worker after sizing (or by the user: a small pool)
     # "fp8" (= "fp8_e4m3"): float8 e4m3 K and V with per-head scales (models/kv_scales.py)
     kv_cache_dtype: str = "auto"  # (one of KV_CACHE_DTYPES: EngineArgs checks it)
 
@@ -209,14 +207,11 @@ class ParallelConfig:
     cp_kv_cache_interleave_size: int = 1
     enable_sequence_parallel: bool = False
     distributed_timeout_s: float = 300.0
-    # experts sharded over the DP x TP ranks (else each expert's width is split over them)
-    enable_expert_parallel: bool = False
-    # dual-batch overlap: two micro-batches when a step has at least this many tokens
-    enable_dbo: bool = False
+    enable_expert_parallel: bool = False  # whole experts over DP x TP (else each width is split)
+    enable_dbo: bool = False  # dual-batch overlap: two micro-batches for a step of at least:
     dbo_decode_token_threshold: int = 32  # decode-only steps
     dbo_prefill_token_threshold: int = 512  # steps with a prefill
-    # rank 0's worker in a process of its own (its launches beside the core's scheduling)
-    rank0_own_process: bool = False
+    rank0_own_process: bool = False  # rank 0's launches beside the core's scheduling
     # data parallelism runs one engine-core process per DP rank (engine/core_proc.py)
     data_parallel_rank: int = 0  # the core's own rank (each core's copy of the config)
     data_parallel_size_local: int | None = None  # cores on this host (None: all)
@@ -245,11 +240,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
-    # a prompt's chunk takes at most this many tokens of a step (0: no cap), so the prompts
-    # behind a long one start in the same step instead of after its whole prefill
+    # a prompt's most tokens in a step (0: no cap): the prompts behind a long one start beside it
     long_prefill_token_threshold: int = 0
-    # plan step N+1 while the device runs step N (llm.py decides where it is supported)
-    async_scheduling: bool = False
+    async_scheduling: bool = False  # plan step N+1 while the device runs N (see engine_args.py)
 
     def __post_init__(self):  # (each limit alone is checked at the door: EngineArgs)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -261,8 +254,7 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 @dataclass
 class KVTransferConfig:
-    """KV transfer between instances (prefill/decode disaggregation) and CPU offload.
-    vLLM's `--kv-transfer-config` JSON keys; see longserve/kv_transfer/."""
+    """KV transfer between instances and CPU offload: vLLM's `--kv-transfer-config` JSON keys."""
     kv_role: str | None = None  # kv_producer, kv_consumer, kv_both; None: no transfer
     engine_id: str | None = None  # this instance's name in transfer params (default: random)
     kv_ip: str = "127.0.0.1"  # a producer hosts its TCP store (control messages) here
@@ -272,8 +264,7 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"  # or "fail": the request ends with an error
     kv_buffer_layout: str = "NHD"  # block layout on the wire: NHD or HND
     kv_offload_bytes: int = 0  # host pool for blocks evicted from the device cache (0: off)
-    # a consumer's producers ("host:port" of their kv_ip/kv_port): the pair groups with them are
-    # built and warmed at start, so not even the first pull pays for them
+    # producers ("host:port" of kv_ip/kv_port) whose pair groups a consumer builds at its start
     kv_connect: list[str] = field(default_factory=list)
 
     @classmethod

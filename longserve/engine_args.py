@@ -1,6 +1,5 @@
-"""EngineArgs: every engine argument declared once, with its default, checks and help.
-`LLM(model, **kwargs)`'s keywords and the `longserve` command's engine flags are its fields;
-`create_engine_config` applies the rules between them and builds the EngineConfig."""
+"""EngineArgs: every engine argument declared once (default, checks, help), as `LLM`'s keywords and
+the command's engine flags; `create_engine_config` checks the rules between them."""
 from __future__ import annotations
 
 import argparse
@@ -156,8 +155,7 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def create_engine_config(self) -> EngineConfig:
-        # device_count asks NVML; is_available would initialise the driver (slow) here, in the
-        # front end, before any rank starts
+        # device_count asks NVML: is_available would start the CUDA driver in the front end (slow)
         device = self.device or ("cuda" if torch.cuda.device_count() > 0 else "cpu")
         model = model_with_tokenizer(os.fspath(self.model), self.seed, self.tokenizer)
         dtype = self.dtype if self.dtype != "auto" else torch.float32 if device == "cpu" else (

@@ -16,8 +16,7 @@ from longserve.sampling_params import SamplingParams
 
 
 class LLM:
-    """Offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`; the keywords
-    are EngineArgs' fields."""
+    """`LLM(model=...).generate(prompts, SamplingParams(...))`; keywords: EngineArgs' fields."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         started_at = time.time()  # the start-up timeline's front end includes the config

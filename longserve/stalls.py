@@ -1,6 +1,5 @@
-"""First-minute stalls: `freeze_after_warm_up()` gc-freezes start-up's objects once warm; then a
-collection over 50 ms, a Triton kernel compiled and (API server) an event loop over 100 ms late
-are logged (docs/architecture.md, 'Warm and frozen')."""
+"""First-minute stalls: `freeze_after_warm_up()` gc-freezes start-up's objects; then slow GC passes,
+Triton compiles and event-loop lag are logged (docs/architecture.md, 'Warm and frozen')."""
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +26,7 @@ def freeze_after_warm_up() -> None:
 
 
 def _watch_kernel_compiles() -> None:
-    """Triton's JIT hooks (where Triton has them): before a variant is compiled or loaded from the
-    disk cache, and after."""
+    """Triton's JIT hooks, if any: before a variant compiles or loads from disk, and after."""
     try:
         from triton import knobs
     except ImportError:

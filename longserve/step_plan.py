@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 
 from longserve.sampling_params import SamplingParams
 
-# Asynchronous scheduling plans step N+1 before the host has read step N's tokens: those are
-# PLACEHOLDER in `token_ids`, filled in on the device from step N's sampled ids (model_runner.py).
+# a plan's token not read back yet (asynchronous scheduling), filled in on the device (model_runner)
 PLACEHOLDER = -1
 
 
@@ -48,8 +47,7 @@ class SchedulerOutput:
     requests: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # workers drop their state
     new_block_ids: list[int] = field(default_factory=list)  # to be zeroed before use
-    # the KV connector's plan for the step (kv_transfer/): loads, saves, held requests; the
-    # blocks it fills (its `filled_block_ids`) are not in new_block_ids
+    # the KV connector's plan (loads, saves, holds); its filled_block_ids are not in new_block_ids
     kv_connector_metadata: object | None = None
     decodes: DecodeRows = field(default_factory=DecodeRows)
 
@@ -62,8 +60,7 @@ class SchedulerOutput:
         return self.decodes.req_ids + [r.req_id for r in self.requests if r.sample]
 
     def all_requests(self) -> list[ScheduledRequest]:
-        """Every request as a ScheduledRequest, the decode rows too (for readers off the hot
-        path: KV connectors, tests)."""
+        """Every request as a ScheduledRequest, decode rows too (for KV connectors and tests)."""
         d = self.decodes
         return [ScheduledRequest(rid, [t], c, d.new_blocks.get(i, []), False, True, seed_offset=o)
                 for i, (rid, c, t, o) in enumerate(zip(d.req_ids, d.num_computed, d.token_ids,

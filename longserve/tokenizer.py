@@ -1,6 +1,5 @@
 """The model's tokenizer and chat template: from a HF folder, a GGUF file's metadata, or a
-`tokenizer=` folder that overrides both; `render_chat` renders a conversation with the template's
-Jinja2 as HF's `apply_chat_template` does."""
+`tokenizer=` folder overriding both; `render_chat` runs its Jinja2 as HF's `apply_chat_template`."""
 from __future__ import annotations
 
 import os

@@ -58,8 +58,7 @@ class Attention(nn.Module):
         self.kv_sharing_target = kv_sharing_target  # layer index whose KV this layer reads
         self.kv_shared = kv_shared  # a later layer reads this one's KV (its step rows: meta.step_kv)
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
-        # FP8 cache: [2, Hkv] float32 scales (K row, V row) of the cache this layer reads;
-        # None when the cache holds the model's dtype (models/kv_scales.py)
+        # FP8 cache: [2, Hkv] float32 K and V scales of the cache it reads, else None (kv_scales.py)
         self.kv_scale: torch.Tensor | None = None
 
     def forward(self, q, k, v, meta: AttentionMetadata, out=None):
@@ -298,9 +297,8 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float, out=None):
 
 
 def _folded_gqa(q, k, v, scale, out=None):
-    """Non-causal GQA as MHA over Hkv heads: the G query heads of a KV head become G x S rows
-    of that head (every row sees every key, so row order does not matter). The output unfolds
-    in one copy, into `out` when given."""
+    """Non-causal GQA as MHA over Hkv heads: a KV head's G query heads become G x S rows of it (each
+    row sees every key, so order does not matter); the output unfolds in one copy, into `out`."""
     s, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv

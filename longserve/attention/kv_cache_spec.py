@@ -1,6 +1,5 @@
 """What the worker needs to know about the KV cache, as plain data. A manager block of
-`AttentionSpec.block_size` tokens may be split into kernel blocks (see
-`worker.utils.prepare_kernel_block_sizes`)."""
+`AttentionSpec.block_size` tokens may be split into kernel blocks (prepare_kernel_block_sizes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

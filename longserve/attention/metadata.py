@@ -41,8 +41,7 @@ class PagedPart:
     max_query_len: int
     query_start_loc_cpu: list[int]
     kv_lens_cpu: list[int]
-    # index work built by the first layer that needs it and reused by the others
-    # (attention/backends.py): the prefix's packed varlen batch, or the decode's slots
+    # index work the first layer builds and the others reuse: prefix varlen batch or decode slots
     packed: object | None = None
 
     @property
@@ -58,11 +57,8 @@ class AttentionMetadata:
     decode: PagedPart | None
     prefill_segments: list[SuffixSegment] = field(default_factory=list)
     prefill_varlen: VarlenLayout | None = None  # the segments as one varlen batch (no PCP)
-    # cached context of the prefill rows; with PCP over the PCP-gathered queries
-    prefix: PagedPart | None = None
-    # PCP: positions in the all-gathered (rank-major, padded) K/V of each real token
-    pcp_kv_index: torch.Tensor | None = None
+    prefix: PagedPart | None = None  # cached context of the prefill rows (PCP: gathered queries)
+    pcp_kv_index: torch.Tensor | None = None  # PCP: each real token's row in the gathered K/V
     ps: ParallelState = field(default_factory=single_rank_state)
     backend: object = None  # the AttentionBackend instance
-    # layer index -> this step's (K, V) rows, for layers that read another layer's KV
-    step_kv: dict = field(default_factory=dict)
+    step_kv: dict = field(default_factory=dict)  # layer -> its step's (K, V), for KV-sharing layers

@@ -21,10 +21,9 @@ FP8_MAX = tl.constexpr(448.0)  # float8 e4m3fn's largest finite value (attention
 
 @triton.jit
 def _round_to_e4m3(x):
-    """x float32, |x| <= 448 -> the nearest float8 e4m3 value (ties to even), still float32,
-    so the cast that follows is exact. In float32 arithmetic rather than the cast's own
-    rounding: the CPU interpreter's float -> fp8 cast mis-rounds (a mantissa carry drops the
-    exponent step), and this way both run the same code (a few ALU ops per stored element)."""
+    """x float32, |x| <= 448 -> the nearest e4m3 value (ties to even), still float32, so the cast
+    that follows is exact. Not the cast's own rounding: the CPU interpreter's float -> fp8 cast
+    mis-rounds (a mantissa carry drops the exponent step); this way both run the same code."""
     e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # exponent of |x|
     ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
     t = tl.abs(x) / ulp
@@ -84,11 +83,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 
 # ---- paged attention with LSE (decode, and prefix attention of prefill chunks) ---------------
-# One program owns (a tile of query rows of one request) x (one KV head) x (one KV split).
-# The tile's M dimension holds BLOCK_Q query rows times the G query heads that share the
-# KV head (row m = query row m // G, head m % G), so every K/V tile read from the cache
-# feeds G * BLOCK_Q rows of tensor-core work. KV is walked in tiles of BLOCK_N tokens whose
-# slots are looked up in the block table, with an online softmax in float32.
+# One program owns (a tile of query rows of one request) x (one KV head) x (one KV split). M holds
+# BLOCK_Q query rows times the G query heads of the KV head (row m = query row m // G, head m % G),
+# so every K/V tile read feeds G * BLOCK_Q rows of tensor-core work; online softmax in float32.
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -113,9 +110,9 @@ def _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr, PAD_PER_REQ: tl
 @triton.jit
 def _e4m3_to_f16(x):
     """e4m3 -> float16 in asm the compiler may not move (not pure): a cast is moved past V's
-    transposing trip through shared memory, which then loads a byte per instruction (it bound
-    the FP8 kernel). V converts first and takes bf16's path (ldmatrix.trans). GPU only: an
-    e4m3 cache compiles on sm_89+ alone (Triton's fp8e4nv), which all have this cvt."""
+    transposing trip through shared memory, which then loads a byte per instruction (it bound the
+    FP8 kernel); V converts first and takes bf16's path (ldmatrix.trans). GPU only: e4m3 caches
+    compile on sm_89+ (Triton's fp8e4nv), which have this cvt."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
         "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
@@ -135,7 +132,6 @@ def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, 
         n_ok = n < kv_end
     else:
         n_ok = tl.full([BLOCK_N], 1, tl.int1)
-    # physical row of each token, through the block table
     if PAGE % BLOCK_N == 0:  # the whole tile lies in one page
         page = tl.load(bt_row + n0 // PAGE).to(tl.int64)
     else:
@@ -226,7 +222,6 @@ def _paged_attn_kernel(
     if row0 >= q_end:  # spare program of the upper-bound grid
         return
 
-    # M rows: (query row, query head) pairs of this tile
     m = tl.arange(0, BLOCK_M)
     row = row0 + m // G  # [M]
     head = kv_head * G + m % G  # [M]
@@ -372,8 +367,7 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
     return BLOCK_Q, BLOCK_M, 64 if BLOCK_D <= 128 else 32, BLOCK_D, 4, 2
 
 
-# Split decode (one query row a request, several KV splits): (BLOCK_N, num_warps, num_stages), from
-# benchmarks/bench_decode_attn.py --sweep
+# split decode's (BLOCK_N, num_warps, num_stages), from benchmarks/bench_decode_attn.py --sweep
 SPLIT_DECODE = (64, 4, 2)
 SPLIT_DECODE_WIDE = (128, 4, 2)  # 32+ query heads on a KV head (tp=2 x dcp=2, one KV head): faster
 # FP8 (V converted first, _e4m3_to_f16): 64-token tiles keep registers low enough for 128K in one wave
@@ -396,9 +390,8 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
 
 
 def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
-    """LSE-merge the per-split partials into out [T, Hq, D] and lse [T, Hq]: one variant up to 256
-    splits (decode: a whole head a program, or 32 of head_dim when rows are few) or per CP size
-    (2-16 ranks' partials)."""
+    """LSE-merge the partials into out [T, Hq, D], lse [T, Hq]: one variant up to 256 splits (a
+    whole head a program, or 32 of head_dim when rows are few) or per CP size (2-16 ranks')."""
     num_kv_splits, T, Hq, D = o_buf.shape
     few = triton.next_power_of_2(max(num_kv_splits, 2))
     block_s, chunk_s, block_d = max(256, few), 16, triton.next_power_of_2(D)
@@ -537,8 +530,7 @@ def run_in_threads(calls: list, device: torch.device) -> None:
 
 # ---- merge of two partial attention states (e.g. prefix over the cache + causal suffix) ------
 
-# the LSE strides and alignment follow a chunk's length (SDPA's LSE is [H, T]): unspecialized,
-# so no chunk compiles a variant mid-run
+# LSE strides and alignment follow a chunk's length (SDPA's LSE is [H, T]): no compile mid-run
 @triton.jit(do_not_specialize=["stride_plt", "stride_plh", "stride_slt", "stride_slh",
                                "stride_olt", "stride_olh"],
             do_not_specialize_on_alignment=["out_lse_ptr", "p_lse_ptr", "s_lse_ptr"])

@@ -214,10 +214,9 @@ IDLE_TIMEOUT = datetime.timedelta(days=3650)
 
 
 def attach_symmetric_memory(groups: list[GroupCoordinator], device: torch.device) -> None:
-    """One symmetric buffer a process, for the first group of a decode step's collectives with
-    peers; a later group of the same ranks shares it, others keep NCCL. torch counts its
-    symmetric-memory store exchanges per process, not per group: a second rendezvous over other
-    ranks (tp=4 then dcp=2's pairs) waits on mismatched keys until the timeout."""
+    """One symmetric buffer a process, for the first of a decode step's groups with peers; a later
+    group of the same ranks shares it, others keep NCCL (a second rendezvous over other ranks
+    deadlocks: docs/architecture.md, 'Small collectives over NVLink')."""
     first = next((g for g in groups if g.world_size > 1), None)
     if first is None:
         return

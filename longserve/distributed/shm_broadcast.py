@@ -1,6 +1,5 @@
-"""The step plan from rank 0 to its replica's other ranks on this host: one writer, a ring of
-fixed-size slots in shared memory that `readers` readers poll (memory order: docs/architecture.md,
-'The plan ring'). Segment, in 8-byte words, then the slots: reads[r] (messages reader r took),
+"""The step plan from rank 0 to its replica's other ranks on this host (docs/architecture.md, 'The
+plan ring'). Segment, in 8-byte words, then the slots: reads[r] (messages reader r took),
 seq[s] / size[s] (slot s holds message seq[s] - 1, size[s] bytes; MORE: the pickle goes on in the
 next slot). Every wait is bounded and raises a TimeoutError naming what it waited for."""
 from __future__ import annotations
@@ -46,10 +45,9 @@ def wait_for(ready: Callable[[], bool], timeout: float | None, alive: Callable[[
 
 
 class ShmRingBuffer:
-    """The writer: ShmRingBuffer(readers >= 1); reader r (0 .. readers-1) in any process of
-    this host: ShmRingBuffer.attach(writer.handle, r). The process that makes the segment
-    (ShmRingBuffer(1, reader=0): a reader; rank 0's outputs to its core) removes its name;
-    attach(handle) without a reader is the writer."""
+    """The writer: ShmRingBuffer(readers >= 1); reader r (0 .. readers-1) in any process of this
+    host: ShmRingBuffer.attach(writer.handle, r); attach(handle) without a reader is the writer.
+    The segment's maker (ShmRingBuffer(1, reader=0), rank 0's outputs, is a reader) unlinks it."""
 
     def __init__(self, readers: int, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES,
                  name: str | None = None, reader: int | None = None):

@@ -1,5 +1,5 @@
 """`python -m longserve.engine`: an engine-core process spawned by the front end (core_launch.py)
-with its arguments pickled on stdin."""
+with its arguments pickled on stdin (no re-import of the caller's script)."""
 import os
 import pickle
 import sys

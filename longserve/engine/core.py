@@ -1,7 +1,6 @@
 """EngineCore: one DP rank's scheduler, KV cache manager and executor. `step()` plans, launches
-and applies the previous step (asynchronous scheduling) and returns its EngineCoreOutputs (the
-plain tokens as columns, the rest per request); requests arrive validated and tokenized, and
-text is the front end's."""
+and applies the previous step (docs/architecture.md, 'Asynchronous scheduling') and returns its
+EngineCoreOutputs; requests arrive validated and tokenized, and text is the front end's."""
 from __future__ import annotations
 
 import time
@@ -150,8 +149,7 @@ class EngineCore:
         if idle:
             return self._outputs(out, self.scheduler.update_from_output(out, {}))
         if out.is_empty and transfers and out.kv_connector_metadata is None:
-            # only polling the connectors: do not spin, but look as soon as a load ends; a step
-            # that starts a load or announces a hold goes at once
+            # only polling connectors: wait for progress, no spin (a step starting a load goes now)
             self.executor.wait_for_kv_progress(0.002)
         pending = self._launch(out)
         self._start_mask(out, pending)
@@ -198,9 +196,8 @@ class EngineCore:
         return self._outputs(out, failed + finished)
 
     def _outputs(self, out, finished: list[Request]) -> EngineCoreOutputs:
-        """What each sampling request of the applied plan gained (a token at most: nothing when
-        it was applied without results), then every finished request's end. One plain token
-        (no logprobs) goes in the message's columns: most of a decode step."""
+        """What each sampling request of the applied plan gained (a token at most: none if it was
+        applied without results), then every finished request's end; plain tokens as columns."""
         msg = EngineCoreOutputs(self.engine_index)
         ids, tokens, outputs = msg.token_req_ids, msg.token_ids, msg.outputs
         requests, num_sent = self.scheduler.requests, self._num_sent

@@ -1,6 +1,5 @@
-"""The front end's handle on its engine cores: `MPClient` (core processes over ZeroMQ, dead cores
-detected by its reader thread; `FrontEnd` attaches to cores another process started) and
-`InprocClient` (one EngineCore on a thread). docs/architecture.md, 'Engine cores and the front end'."""
+"""The front end's handle on its engine cores: `MPClient` (core processes over ZeroMQ) and
+`InprocClient` (a core on a thread). docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import atexit
@@ -112,8 +111,7 @@ class PidWatch:
 
 
 def start_local_cores(config: EngineConfig, addresses: CoreAddresses) -> dict[int, subprocess.Popen]:
-    """One process per core of this host (`python -m longserve.engine`, arguments pickled on stdin:
-    no re-import of the caller's script), core i on the i-th run of the visible GPUs."""
+    """One process per core of this host, core i on the i-th run of the visible GPUs."""
     use_kernel_cache()  # the cores and their workers inherit it
     ranks = local_dp_ranks(config.parallel)
     gpus = core_gpus(config, len(ranks))

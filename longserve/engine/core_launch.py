@@ -37,9 +37,8 @@ def core_main(workers: dict | None, config_bytes: bytes, rest: bytes, forked: bo
 
 
 def fork_is_safe(config) -> bool:
-    """Fork where it costs nothing: a GPU engine, or a CPU engine whose ranks would get one CPU
-    thread each anyway (worker.limit_cpu_threads; a forked process keeps one: in_forked_child).
-    LONGSERVE_START_METHOD=fork|spawn chooses; never once the CUDA driver runs here."""
+    """Fork where it costs nothing (docs/architecture.md, 'Start-up'): a GPU engine, or a CPU engine
+    whose ranks get one thread each anyway; LONGSERVE_START_METHOD chooses; never after cuInit."""
     method = os.environ.get("LONGSERVE_START_METHOD")
     if method is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -49,8 +48,7 @@ def fork_is_safe(config) -> bool:
 
 
 def cuda_driver_started() -> bool:
-    """Whether cuInit ran in this process (a CUDA context; `torch.cuda.is_available()`, through
-    cudaGetDeviceCount): a forked child could not use CUDA then. Before cuInit the driver answers
+    """Whether cuInit ran here (then a forked child cannot use CUDA); before it, the driver answers
     cuDeviceGetCount with CUDA_ERROR_NOT_INITIALIZED (3); a driver not even loaded has not run."""
     try:
         with open("/proc/self/maps") as f:
@@ -115,8 +113,7 @@ def in_forked_child(env: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # nor its event loop's: a signal here would wake the front end's loop
     import torch
-    # the front end's OpenMP threads did not come along: a parallel region with more than one
-    # thread would wait for them forever
+    # the front end's OpenMP threads stayed behind: a parallel region would wait for them forever
     torch.set_num_threads(1)
 
 

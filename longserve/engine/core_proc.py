@@ -1,6 +1,5 @@
 """The engine-core process: one per DP rank, the step loop with nothing else on its GIL; input and
-output threads, a request's outputs to the front end that sent it (`Owners`), lockstep waves for
-expert models: docs/architecture.md, 'Engine cores and the front end'."""
+output threads, `Owners`, waves: docs/architecture.md, 'Engine cores and the front end'."""
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,5 @@
-"""Data parallelism in the front end: which engine core takes a request (fewest waiting + running
-as last reported, plus this front end's on their way once per API server), and expert models'
-waves (docs/architecture.md, 'Data parallelism, experts, ...')."""
+"""Data parallelism in the front end: which engine core takes a request, and expert models' waves
+(docs/architecture.md, 'Data parallelism, experts, ...': the balancing rule)."""
 from __future__ import annotations
 
 from longserve.engine.messages import SchedulerStats

@@ -1,7 +1,5 @@
-"""Drive the workers of one model replica from the engine process (rank 0's worker in-process or in a
-process of its own; other ranks spawned, or under torchrun). Failures end in bounded time with an
-error naming the rank; teardown on shutdown, failed start, a newer engine and exit
-(docs/architecture.md)."""
+"""Drive one model replica's workers from the engine process; failures end in bounded time with an
+error naming the rank (placement, teardown: docs/architecture.md, 'Layers', executor.py)."""
 from __future__ import annotations
 
 import atexit
@@ -51,10 +49,9 @@ def process_state(pid: int) -> str:
 
 
 class Executor:
-    """Owns the replica's first rank (in this process, or with rank0_own_process in one of its own:
-    `driver` is None and `results` brings its outputs) and its other ranks' processes. An expert
-    model's DP ranks share one world: this replica's ranks are base .. base + replica_size - 1
-    of it and `init_method` names its rendezvous."""
+    """Owns the replica's first rank (here, or with rank0_own_process in its own process: `driver`
+    is None, `results` brings its outputs) and the other ranks' processes. An expert model's DP
+    ranks share one world, `init_method`'s: this replica's are base .. base + replica_size - 1."""
 
     def __init__(self, config: EngineConfig, init_method: str | None = None,
                  timeline: Timeline | None = None, started: WorkerProcs | None = None):
@@ -197,8 +194,7 @@ class Executor:
 
     # ---- steps ------------------------------------------------------------------------
     def execute_async(self, out: SchedulerOutput) -> "PendingStep":
-        """Launch one step (every rank has its plan, rank 0's kernels are queued); the sampled ids come
-        back through the PendingStep."""
+        """Launch a step: every rank gets its plan, rank 0's kernels are queued; see PendingStep."""
         if self.failure:
             raise RuntimeError(f"{self.failure}; this engine cannot run: build a new LLM")
         if self._closing:
@@ -397,7 +393,7 @@ def watch(ref: weakref.ref) -> None:
     while True:
         ex = ref()
         # no children (a DP rank of an expert model is a replica of one rank): nothing to watch,
-        # and the loop below would spin holding the GIL (it starved capture: 2026-11-25)
+        # and the loop below would spin holding the GIL (it starved CUDA-graph capture)
         if ex is None or ex.failure or ex._closing or not ex.procs:
             return
         for p in ex.procs:

@@ -36,8 +36,7 @@ def use_multiprocessing(config: EngineConfig) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineConfig, max_waiting: int | None = None,
                  front_end: FrontEnd | None = None, started_at: float | None = None):
-        """front_end: one of several API servers, on cores another process started;
-        started_at: when the caller began."""
+        """front_end: one of several API servers, on another process's cores; started_at: t0."""
         t0 = started_at or time.time()
         use_kernel_cache()
         self.config, self.max_waiting = config, max_waiting
@@ -91,8 +90,7 @@ class LLMEngine:
     # ---- the door ---------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams,
                      data_parallel_rank: int | None = None) -> EngineCoreRequest:
-        """Validate one prompt (longserve/inputs.py) and its parameters into a request;
-        data_parallel_rank pins it to one DP rank."""
+        """A request from a validated prompt (inputs.py) and params; data_parallel_rank pins it."""
         check_dp_rank(data_parallel_rank, self.config.parallel.data_parallel_size)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")

@@ -236,8 +236,7 @@ class OutputProcessor:
             else None)
 
     def abort(self, request_id: str) -> tuple[int | None, list[str]]:
-        """Ended by the front end (a client gone, a failed caller); returns its core and the core's ids
-        of its choices (none if it had ended)."""
+        """Ended by the front end (client gone): its core and its choices' core ids ([]: ended)."""
         with self._lock:
             state = self._states.get(request_id)
             if state is None:

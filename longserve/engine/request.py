@@ -30,16 +30,14 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
-    # block hashes of the full blocks of prompt + output tokens (prefix caching)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the full blocks (prefix caching)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     kv_transfer_params: dict | None = None  # in: from the client (a consumer loads); out: a producer's
     num_external_tokens: int = 0  # tokens an asynchronous load brings
     error: str | None = None
-    # asynchronous scheduling: tokens sampled but not read back yet (PLACEHOLDER in the plan),
-    # and steps with the request not applied yet
+    # asynchronous scheduling: sampled tokens not read back yet (PLACEHOLDER), steps not applied
     num_output_placeholders: int = 0
     num_steps_in_flight: int = 0
     # choices 1..n-1 of an n > 1 request: parked until its prompt is planned (Scheduler._fork)

@@ -1,7 +1,6 @@
-"""Continuous batching with chunked prefill and preemption by recompute: running requests first,
-then waiting ones; when the pool runs short the last admitted is preempted. A request that needs
-prompt logprobs recomputes its prompt. Liveness (`check_fits`), placeholders and forks of several
-choices: docs/architecture.md, 'Bad input and liveness', 'Asynchronous scheduling', 'Several choices'."""
+"""Continuous batching with chunked prefill and preemption by recompute (the last admitted first);
+a request that needs prompt logprobs recomputes its prompt. Liveness, placeholders and forks:
+docs/architecture.md, 'Bad input and liveness', 'Asynchronous scheduling', 'Several choices'."""
 from __future__ import annotations
 
 from collections import deque
@@ -190,8 +189,7 @@ class Scheduler:
 
     def _advance_decodes(self, plan: list[tuple[Request, int]]) -> tuple[DecodeRows, list]:
         """The plan's plain decodes (known to the workers, one sampled output token each) as
-        columns, advanced; and the rest of the plan. The usual step is only these, so this
-        loop is most of the scheduler's cost a request: each number is read once."""
+        columns, advanced, and the rest of the plan; each number read once (the usual step)."""
         rows, rest, sent = DecodeRows(), [], self._num_blocks_sent
         ids, computed, tokens, offsets = rows.req_ids, rows.num_computed, rows.token_ids, rows.seed_offsets
         for req, n in plan:
@@ -285,9 +283,8 @@ class Scheduler:
 
     def _take_token(self, req: Request, token: int | None, logprobs, finished: list) -> None:
         """A sampling chunk's result: its token (None: the plan was applied without results)
-        replaces the placeholder; full blocks enter the prefix cache; a stop ends it. The full
-        stop check runs only where a stop is possible (a token in the request's stop set, its
-        length reached, or a grammar): most decodes take none."""
+        replaces the placeholder; full blocks enter the prefix cache; a stop ends it (the full
+        check only where a stop is possible: most decodes take none)."""
         req.num_output_placeholders -= 1
         out_ids = req.output_token_ids
         if token is not None and req.sampling_params.max_tokens != 0:

@@ -1,6 +1,5 @@
-"""Structured outputs with xgrammar: compiled grammars (an LRU cache by spec), a `GrammarState`
-per request, the core's compile thread, and the mask thread that accepts a step's tokens and
-fills the next bitmask (docs/architecture.md, 'Structured outputs')."""
+"""Structured outputs with xgrammar: compiled grammars, a `GrammarState` per request, the core's
+compile thread and the mask thread (docs/architecture.md, 'Structured outputs')."""
 from __future__ import annotations
 
 import functools
@@ -25,9 +24,8 @@ class GrammarCompiler:
             raise ValueError("structured_outputs need the model's tokenizer (tokenizer.json)")
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
-        # xgrammar sees the ids the tokenizer has (and the stop ids): it counts every id past
-        # them as a special token and scans those on each accept (slow with a padded vocabulary).
-        # The mask covers those ids; the sampler masks the model's ids past them.
+        # xgrammar sees the tokenizer's ids and the stop ids (it scans any id past them on each
+        # accept: slow with a padded vocabulary); the sampler masks the model's ids past them
         self.mask_vocab = min(vocab_size, max([tokenizer.get_vocab_size(with_added_tokens=True)]
                                               + [t + 1 for t in eos_token_ids]))
         info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer),
@@ -66,8 +64,7 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    """The engine core's side: compiles off the step loop, holds requests back until their matcher is
-    ready, builds a step's bitmask."""
+    """The core's side: compiles off the step loop, holds requests until ready, builds bitmasks."""
 
     def __init__(self, model: ModelConfig):
         self.model = model
@@ -79,8 +76,7 @@ class StructuredOutputManager:
 
     def compiler(self) -> GrammarCompiler:  # on the pool's thread: the tokenizer loads there
         if self._compiler is None:
-            # the mask thread's few Python lines need the GIL while the step loop plans in
-            # Python: a short switch interval lets it in while the loop runs (else no overlap)
+            # a short GIL switch interval: the mask thread runs beside the loop (else no overlap)
             sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
             from longserve.tokenizer import load_tokenizer
             m = self.model
@@ -138,8 +134,7 @@ class StructuredOutputManager:
         live = [(i, g.matcher) for i, (g, _) in zip(rows, work) if not g.matcher.is_terminated()]
         xgr = self._compiler.xgr
         mask = xgr.allocate_token_bitmask(len(live), self._compiler.mask_vocab)
-        # one call for all rows, on one thread (xgrammar's threads were slower); it releases
-        # the GIL, so the loop goes on
+        # one call for all rows on one thread (xgrammar's threads were slower); it releases the GIL
         self._batch = self._batch or xgr.BatchGrammarMatcher(1)
         self._batch.batch_fill_next_token_bitmask([m for _, m in live], mask)
         tail = self._compiler.mask_vocab % 32  # xgrammar leaves the bits past its ids set

@@ -1,11 +1,9 @@
-"""`longserve proxy --prefill URL --decode URL`: a disaggregated pair behind one OpenAI endpoint.
-A request goes to the prefill instance with one output token and `kv_transfer_params:
-{"do_remote_decode": true}`, then to the decode instance with the params that came back; its
-answer (a stream or one body) is relayed as is, and a client gone closes the decode stream (one
-gone before the prefill answers gets no decode). Without --prefill requests go to --decode as is.
-With --local-prefill-tokens N a prompt of at most N tokens skips the prefill instance and prefills
-where it decodes: a short prompt's prefill costs the decode instance less than the hop and the
-transfer cost it (counted from a token-id prompt, else by the prefill instance's /tokenize)."""
+"""`longserve proxy --prefill URL --decode URL`: a disaggregated pair behind one OpenAI endpoint
+(docs/architecture.md, 'Layers': without --prefill, and --local-prefill-tokens). A request goes to
+the prefill instance with one output token and `kv_transfer_params: {"do_remote_decode": true}`,
+then to the decode instance with the params that came back; its answer is relayed as is, and a
+client gone closes the decode stream (one gone before the prefill answers gets no decode). A short
+prompt prefilled where it decodes costs the decode instance less than the hop and the transfer."""
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,5 @@
-"""CPU offload: prefix-cache blocks evicted from the device go to a host pool (LRU), and a later
-hit on the host loads them back (counted as computed in the same step). Host pool per layer:
-[2, num_host_blocks, block_size, H, D * itemsize] bytes, pinned on CUDA."""
+"""CPU offload: evicted prefix-cache blocks <-> a host pool (docs/architecture.md, 'KV transfer').
+Host pool per layer: [2, num_host_blocks, block_size, H, D * itemsize] bytes, pinned on CUDA."""
 from __future__ import annotations
 
 import heapq

@@ -213,8 +213,7 @@ class P2pConnectorWorker:
         if kvt.kv_role in ("kv_producer", "kv_both"):
             self.store = connect_store(kvt.kv_ip, kvt.kv_port, kvt.kv_transfer_timeout_s)
             # the serving thread's own clients (a blocked client blocks its other users): one
-            # blocks on the queue (no timeout to speak of: close() wakes it with a stop
-            # message), one meets consumers to build pair groups
+            # blocks on the queue (close() wakes it with a stop message), one builds pair groups
             stores = (connect_store(kvt.kv_ip, kvt.kv_port, 7 * 24 * 3600),
                       connect_store(kvt.kv_ip, kvt.kv_port, kvt.kv_transfer_timeout_s))
             self.server = threading.Thread(target=self._serve_loop, args=stores, daemon=True)
@@ -343,12 +342,10 @@ class P2pConnectorWorker:
                 self.hold_added.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _serve(self, msg: dict, store) -> None:
-        """The status word (1 held, 0 not) through the store under the consumer's reply key, then
-        the payloads (tags 0, 1, ...) over the pair's group. Neither side posts an op of the pair before
-        the status is out: an early receive spins on its device while this thread serves another
-        pull, and the device's other NCCL kernels can wait behind it (a consumer's TP gather behind
-        its pair's receive, its peer rank behind that, this rank's send behind the peer: a deadlock).
-        The blocks are read only while packing; no send outlasts the lease."""
+        """The status word under the consumer's reply key, then the payloads (tags 0, 1, ...) over
+        the pair's group. Neither side posts an op of the pair before the status is out (an early
+        receive deadlocked: docs/architecture.md, 'KV transfer'). The blocks are read only while
+        packing; no send outlasts the lease."""
         same_scales = self._same_scales(msg)
         h = self._take_reader(msg["req_id"]) if same_scales else None
         word = HELD if h is not None else GONE if same_scales else SCALES_DIFFER
@@ -513,10 +510,9 @@ def as_words(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _test_fault(*here: str, groups: PairGroups | None = None, pair: str = "") -> None:
-    """Test hook (LONGSERVE_TEST_KV_FAULT), at a point of a pull that names the faults it takes:
-    after the producer's first payload "die" (its process ends) or "drop" (it closes the pair's
-    connection); after the consumer's first "consumer_die"; before the consumer takes any
-    "consumer_stall" (4 s, longer than the tests' lease)."""
+    """Test hook (LONGSERVE_TEST_KV_FAULT) at points of a pull: after the producer's first payload
+    "die" (its process ends) or "drop" (it closes the pair's connection); after the consumer's first
+    "consumer_die"; before the consumer takes any, "consumer_stall" (4 s: past the tests' lease)."""
     fault = os.environ.get("LONGSERVE_TEST_KV_FAULT")
     if fault not in here:
         return

@@ -11,9 +11,8 @@ EngineId = str
 
 
 def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int, dcp_size: int) -> tuple[int, int]:
-    """(first, count) of the KV heads a TP rank computes and stores: with DCP the `dcp` consecutive
-    TP ranks of a DCP group share one set (they split the *tokens* instead), so heads are split
-    over tp/dcp groups, each replicated when there are fewer heads than groups."""
+    """(first, count) of the KV heads a TP rank computes and stores: split over the tp/dcp head
+    groups, replicated when fewer (docs/architecture.md, 'KV head placement' after 'Layers')."""
     groups, group = tp_size // dcp_size, tp_rank // dcp_size
     if num_kv_heads >= groups:
         per = num_kv_heads // groups
@@ -23,10 +22,9 @@ def kv_heads_of_rank(num_kv_heads: int, tp_size: int, tp_rank: int, dcp_size: in
 
 @dataclass(frozen=True)
 class KVLayout:
-    """How one instance spreads its KV cache over its ranks (plain data: it travels in the
-    transfer params). `cache_layout` is the block layout its blocks leave in ("NHD"/"HND");
-    `kv_dtype` the cache's element type ("bfloat16", "float8_e4m3fn", ...): KV moves as
-    bytes, so two instances exchange it only with the same one (check_kv_dtype)."""
+    """How one instance spreads its KV cache over its ranks (plain data: it travels in the transfer
+    params). `cache_layout`: its blocks' layout on the wire ("NHD"/"HND"); `kv_dtype` the cache's
+    element type: KV moves as bytes, so two instances exchange it only if equal (check_kv_dtype)."""
     num_kv_heads: int
     block_size: int = 16
     tp: int = 1

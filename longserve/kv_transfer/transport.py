@@ -1,7 +1,5 @@
 """The byte transport: a process group per (producer rank, consumer rank) pair from the producer's
-TCPStore, built once, rebuilt under a new epoch after a failure. A pull: a message on
-`pullq/<engine>/<rank>`, the status word (1: held) back under the message's reply key, then the
-pieces over the pair's group (tags 0, 1, ...)."""
+TCPStore, and a pull's control messages in that store (docs/architecture.md, 'KV transfer')."""
 from __future__ import annotations
 
 import datetime
@@ -53,8 +51,7 @@ def wait_work(work, timeout_s: float, device: torch.device) -> None:
 
 
 class PairGroups:
-    """This rank's pair groups, keyed by pair name (and epoch): built once, reused by every
-    pull of the pair. `num_created` says how many were built."""
+    """This rank's pair groups by pair name (and epoch), built once; `num_created` counts them."""
 
     def __init__(self, device: torch.device, timeout_s: float):
         self.device, self.timeout_s = device, timeout_s

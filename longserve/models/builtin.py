@@ -91,8 +91,7 @@ def model_config(path: str) -> ModelConfig:
 
 
 def resolve_model(model: str, seed: int = 0) -> str:
-    """A model argument -> a folder with an HF config, or a .gguf file. `smollm2` (the
-    default) is a real trained model, fetched once (see smollm2.py)."""
+    """A model argument -> a folder with an HF config, or a .gguf file (`smollm2`: fetched once)."""
     if model == DEFAULT_MODEL:
         return smollm2_path(cache_dir())
     if is_gguf(model):

@@ -1,6 +1,5 @@
-"""Dual-batch overlap (DBO): two micro-batches' forwards (`forward_stages` generators that yield
-while an expert collective is in flight) run in turn, so one's dispatch/combine overlaps the
-other's compute. Same tokens as one batch; eager only, so off by default."""
+"""Dual-batch overlap (docs/architecture.md, 'Data parallelism, ...'): two micro-batches' forwards
+as stage generators, run in turn. Same tokens as one batch; eager only, so off by default."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,4 @@
-"""A fused mixture-of-experts kernel (imported only when it runs): `route_triton`, `align_pairs`, one
-launch each for gate-up and down, `combine_pairs`; shapes follow the pair count only (graphs).
-docs/architecture.md, 'Experts on the GPU'."""
+"""Fused MoE kernels, imported only when one runs (docs/architecture.md, 'Experts on the GPU')."""
 from __future__ import annotations
 
 import os
@@ -34,9 +32,8 @@ def _count_kernel(ids_ptr, counts_ptr, first, num_local, num_pairs, CHUNK: tl.co
 def _place_kernel(ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, first, num_local,
                   num_pairs, num_blocks, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
                   BLOCKS: tl.constexpr, E_BINS: tl.constexpr):
-    """Each pair of this program's chunk to its expert's run (runs padded to BLOCK_M, end to
-    end), at a place taken by an atomic: the order within a run is free (each slot's rows are
-    computed alone). Then its share of the blocks: their expert, and their padding slots."""
+    """Each pair of this program's chunk to its expert's run (runs padded to BLOCK_M, end to end)
+    at a place taken by an atomic; then its share of the blocks: their expert and padding slots."""
     e = tl.arange(0, E_BINS)
     counts = tl.load(counts_ptr + e, mask=e < num_local, other=0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
@@ -60,8 +57,7 @@ def _place_kernel(ids_ptr, counts_ptr, slot_pair_ptr, block_expert_ptr, first, n
 def align_pairs(ids: torch.Tensor, first: int, num_local: int, block_m: int):
     """ids [...] global expert ids (this rank holds [first, first + num_local)) -> slot_pair [S]
     (the pair in each sorted slot, num_pairs for padding) and block_expert [S / block_m] (-1:
-    unused); S = P + num_local * (block_m - 1), the worst case. A count launch and a place launch,
-    a program per PLACE_CHUNK pairs (docs/architecture.md, 'Experts on the GPU')."""
+    unused); S = P + num_local * (block_m - 1), the worst case."""
     ids = ids.reshape(-1).contiguous()
     num_pairs, e_bins = ids.numel(), triton.next_power_of_2(num_local)
     num_slots = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m

@@ -38,9 +38,8 @@ def rms_norm_torch(x, weight, eps, residual=None):
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            norm: tuple | None = None, out: tuple | None = None):
     """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D] (each token's heads packed) in
-    one kernel; cos / sin [T, D/2] float32 -> rotated (q, k): into out = (q_out, k_out) (heads
-    packed) when given, else new contiguous tensors. norm: (q weight [D], k weight [D], eps) of
-    the per-head RMSNorms applied first (Qwen3)."""
+    one kernel; cos / sin [T, D/2] float32 -> rotated (q, k), into out = (q_out, k_out) (heads
+    packed) if given. norm: (q weight [D], k weight [D], eps) of per-head RMSNorms first (Qwen3)."""
     if not use_triton(q):
         weights = (None, None) if norm is None else norm[:2]
         return tuple(_rotary_one(x, cos, sin, w, norm and norm[2], o)

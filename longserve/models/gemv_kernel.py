@@ -55,9 +55,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, stride_y, K: tl.con
 
 
 def gemv_config(rows: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), from `bench_gemv.py --sweep`: one row
-    streams thin tiles of 4,096 weights along K (many programs, each with 16-byte loads and
-    four tiles in flight); the dot wants 32+ columns."""
+    """(BLOCK_N, BLOCK_K, warps, stages), from `bench_gemv.py --sweep`: one row streams thin tiles
+    of 4,096 weights along K (many programs, 16-byte loads, 4 tiles in flight); dots want 32+."""
     block_k = next(b for b in (1024, 512, 256, 128, 64) if k % b == 0)  # the caller: k % 64 == 0
     return (4096 // block_k, block_k, 8, 4) if rows == 1 else (32, min(block_k, 256), 4, 4)
 

@@ -10,8 +10,7 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 def dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
-    """Raw bytes of one tensor (any numpy view of them) -> float32 tensor of `shape`
-    (torch order: the GGUF shape reversed)."""
+    """Raw bytes of one tensor (any numpy view) -> float32 tensor of `shape` (torch order)."""
     qtype = Q(qtype)
     if qtype.name not in SUPPORTED_TYPES:
         raise ValueError(f"unsupported GGUF tensor type {qtype.name} "

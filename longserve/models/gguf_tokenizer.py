@@ -1,6 +1,5 @@
 """The tokenizer of a GGUF file, rebuilt as a HF `tokenizers` Tokenizer from `tokenizer.ggml.*`
-(byte-level BPE, model "gpt2"). SentencePiece ("llama") files are not rebuilt: pass
-`tokenizer=<folder with tokenizer.json>`."""
+(byte-level BPE, "gpt2"); SentencePiece ("llama") files are not: pass `tokenizer=<HF folder>`."""
 from __future__ import annotations
 
 CONTROL, USER_DEFINED = 3, 4

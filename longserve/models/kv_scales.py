@@ -1,6 +1,5 @@
-"""Scales of the FP8 KV cache, per layer, KV head and K / V, fixed at load: the checkpoint's (`k_scale` /
-`v_scale` / `kv_scale`), else a power-of-two bound from the weights that no input can exceed
-(why: docs/architecture.md, 'FP8 KV cache')."""
+"""Scales of the FP8 KV cache, per layer, KV head and K / V, fixed at load: the checkpoint's, else a
+power-of-two bound from the weights no input can exceed (docs/architecture.md, 'FP8 KV cache')."""
 from __future__ import annotations
 
 import re

@@ -146,8 +146,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return None if logits is None else logits[..., :self.vocab_size]
 
     def greedy(self, hidden):
-        """[N, hidden] -> the argmax [N] int64 on every TP rank without gathering the logits; ties:
-        the lower id, as torch's. Every rank has the ids, so none waits for a broadcast of them."""
+        """[N, hidden] -> argmax [N] int64 on every TP rank, no logits gathered; ties: lower id."""
         logits = linear(hidden, self.weight, max_rows=GEMV_MAX_ROWS)
         real = max(self.vocab_size - self.start, 0)  # the last slice's padding rows are no tokens
         if real < self.rows:
@@ -208,7 +207,6 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos(), freqs.sin()
 
     def forward(self, cos_sin, q, k, q_norm=None, k_norm=None, out=None):
-        """q [T, Hq, D]; k [T, Hk, D]; q_norm / k_norm: per-head RMSNorms applied first;
-        out: (q_out, k_out) to write the results into."""
+        """q [T, Hq, D], k [T, Hk, D]; q_norm, k_norm: per-head norms first; out: (q_out, k_out)."""
         norm = None if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         return rotary(q, k, *cos_sin, norm, out)

@@ -34,8 +34,7 @@ class LlamaAttention(nn.Module):
                               kv_shared=layer_idx in cfg.kv_sharing.values())
 
     def qkv(self, cos_sin, hidden, out=None):
-        """hidden [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D]: projected, RoPE applied
-        (q and k written into out = (q_out, k_out) when given)."""
+        """hidden [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], with RoPE (q, k into `out`)."""
         q, k, v = self.qkv_proj(hidden)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

@@ -1,7 +1,6 @@
 """Mixture-of-experts layer (Qwen3-MoE, Mixtral): router, top-k, experts over the DP x TP ranks
-(EP or width-split), dispatch / combine by all-gather + reduce-scatter or (EP) a fixed-size
-all-to-all (docs/architecture.md, 'Expert layers'). `stages()` yields while a collective is in
-flight (for DBO); `forward()` runs it to the end."""
+(dispatch / combine: docs/architecture.md, 'Expert layers'). `stages()` yields while a collective
+is in flight (for DBO); `forward()` runs it to the end."""
 from __future__ import annotations
 
 import os
@@ -162,8 +161,7 @@ class FusedMoE(nn.Module):
         return self.torch_experts(x, weights, ids)
 
     def torch_experts(self, x, weights, ids) -> torch.Tensor:
-        """The same in torch ops (the CPU's path; slower than the kernel on CUDA at every batch
-        measured, 8 to 8,192 tokens: docs/benchmarks.md)."""
+        """The same in torch ops: the CPU's path (docs/architecture.md, 'Experts on the GPU')."""
         num_tokens, k = ids.shape
         local = local_experts(ids, self.first, self.num_local)
         pairs = self.grouped_experts(x, local, weights.flatten(), k)
@@ -193,8 +191,7 @@ class FusedMoE(nn.Module):
 
 
 def local_experts(ids: torch.Tensor, first: int, num_local: int) -> torch.Tensor:
-    """Global expert ids [T, k] -> [T * k]: each pair's expert among this rank's
-    [first, first + num_local), num_local for another rank's (or id -1)."""
+    """Expert ids [T, k] -> [T * k] index among this rank's, num_local for another's (or id -1)."""
     local = ids.flatten() - first
     return torch.where((local >= 0) & (local < num_local), local, num_local)
 

@@ -26,8 +26,7 @@ def _bitmask_kernel(logits_ptr, mask_ptr, stride_l, stride_m, vocab, covered, BL
 
 
 def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """logits [N, V] in place; bitmask int32 [R, W] on the host, rows: R row indices. One
-    upload (the rows ride in column 0) and one launch."""
+    """logits [N, V] in place; bitmask int32 [R, W] (host) for `rows`: one upload, one launch."""
     r, w = bitmask.shape
     packed = np.empty((r, w + 1), np.int32)
     packed[:, 0], packed[:, 1:] = rows, bitmask.numpy()

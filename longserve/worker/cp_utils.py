@@ -1,6 +1,5 @@
-"""Prefill context parallelism (PCP), DualChunkSwap: a prefill of n tokens is padded to P (a multiple
-of 2W) and cut into 2W chunks, rank r taking chunks r and 2W-1-r; a decode runs whole on every rank.
-Two orders, per step:
+"""PCP's DualChunkSwap (docs/architecture.md, 'One prefill step with PCP'): a prefill of n tokens is
+padded to P (a multiple of 2W); a decode runs whole on every rank. Two orders, per step:
   gathered order : rank 0's local tokens, then rank 1's, ... (what an all-gather yields)
   padded order   : request by request, a prefill's P tokens by offset (pads last), a decode's
                    W copies back to back; real tokens: `offset_in_request < n` (pcp_unpad_mask)."""
@@ -134,9 +133,8 @@ class PCPManager:
         self.pcp_restore_unpad_idx.np[:self.num_real_tokens] = restore[real_to_padded]
 
     def _gather_local_inputs(self, positions_np, req_indices, offset, local_req, n) -> None:
-        """Pick this rank's tokens from the global arrays; a pad copies its request's last
-        real token and continues its position (p_last + 1, + 2, ...), so pads sort after
-        every real token of the request under a causal mask."""
+        """Pick this rank's tokens from the global arrays; a pad copies its request's last real
+        token and continues its position (p_last + 1, ...): pads sort last under a causal mask."""
         real_starts = np.cumsum(n) - n
         last = n[local_req] - 1
         src = real_starts[local_req] + np.minimum(offset, last)

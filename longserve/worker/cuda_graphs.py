@@ -1,6 +1,5 @@
-"""CUDA graphs of pure decode steps: the whole forward captured once per batch size
-(`capture_sizes`), replayed over static inputs, and the warm-up after capture that compiles
-every kernel variant serving may pick. Steps with prefill: worker/piecewise_graphs.py."""
+"""CUDA graphs of pure decode steps, and the kernel variants compiled after capture
+(docs/architecture.md, 'CUDA graphs'). Steps with prefill: worker/piecewise_graphs.py."""
 from __future__ import annotations
 
 import logging
@@ -16,8 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """The decode batch sizes that get a graph, ascending: 1, 2, 4, 8, the multiples of 16
-    and max_num_seqs (a step replays the smallest that holds it)."""
+    """Decode batch sizes with a graph, ascending (a step replays the smallest that holds it)."""
     return sorted({b for b in [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
                    if b <= max_num_seqs} | {max_num_seqs})
 
@@ -66,8 +64,7 @@ class DecodeGraphs:
         return min((b for b in self.graphs if b >= n), default=None)
 
     def replay(self, inp, bs: int | None = None) -> torch.Tensor:
-        """Replay the graph of bs rows (default: the smallest that holds the step); inp None: all padding
-        (an idle DP rank's dummy step)."""
+        """Replay bs rows' graph (default: the smallest holding the step); inp None: dummy step."""
         n = inp.num_local_tokens if inp is not None else 0
         bs = bs or self.size(n)
         graph, hidden, _ = self.graphs[bs]
@@ -106,8 +103,8 @@ def compile_kernel_variants(model, config, ps, backend, device) -> None:
     moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
     if moe is not None:  # the expert kernels' variants too
         moe.compile_kernels(config.dtype)
-    # the LM head's GEMV of 2-16 rows (no warm-up step has two rows of one sampling kind;
-    # compiled in a server's first request before): both heads, collectives on every rank alike
+    # the LM head's GEMV of 2-16 rows (no warm-up step has two rows of one sampling kind): both
+    # heads, on every rank alike (their collectives)
     rows = torch.zeros(2, config.model.hidden_size, dtype=config.dtype, device=device)
     model.lm_head(rows)
     model.lm_head.greedy(rows)

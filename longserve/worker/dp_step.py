@@ -1,6 +1,5 @@
-"""The steps of models with expert layers under DP, or with dual-batch overlap: the DP ranks agree
-on the step's shape and decode graph (`coordinate_batch_across_dp`), an idle rank runs a dummy
-step, DBO splits at a request boundary (docs/architecture.md, 'Data parallelism, experts, ...')."""
+"""The steps of models with expert layers under DP, or with dual-batch overlap: an agreed shape and
+decode graph, dummy steps of idle ranks, DBO (docs/architecture.md, 'Data parallelism, ...')."""
 from __future__ import annotations
 
 import numpy as np

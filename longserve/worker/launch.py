@@ -1,6 +1,5 @@
-"""Start a replica's worker processes: forked from a forked core (engine/core_launch.py), else
-spawned before the core imports torch, so that their imports overlap (the config as pickled bytes:
-unpickled after those imports). No torch import at module level here."""
+"""Start a replica's worker processes: forked from a forked core, else spawned before the core
+imports torch (docs/architecture.md, 'Start-up'); no torch import at module level here."""
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +62,7 @@ def _worker_entry(config_bytes: bytes, rank: int, init_method: str, local_rank: 
 
 
 def name_process(name: str) -> None:
-    """What `top` and `ps -o comm` show for this process (a forked one has its parent's command
-    line; Linux only, at most 15 characters)."""
+    """What `top` shows (a forked process has its parent's command line; Linux, <= 15 chars)."""
     with contextlib.suppress(OSError):
         with open("/proc/self/comm", "w") as f:
             f.write(name[:15])

@@ -1,5 +1,4 @@
-"""Runs the model for one rank: KV cache set-up, one step's inputs and forward. Its parts:
-sampling (worker/step_sampler.py) and CUDA graphs (worker/cuda_graphs.py)."""
+"""Runs the model for one rank: KV cache set-up, one step's inputs and forward."""
 from __future__ import annotations
 
 import os
@@ -216,8 +215,7 @@ class ModelRunner:
         return self.model(inp.input_ids, inp.positions, inp.meta, sp)
 
     def fill_placeholders(self, req_ids: list[str], inp: StepInputs) -> None:
-        """Asynchronous scheduling: the plan's PLACEHOLDER ids are the tokens the previous
-        step sampled; copy them on the device (the host never saw them)."""
+        """The plan's PLACEHOLDER ids: the previous step's sampled tokens, copied on the device."""
         sampled, row_of, prev = self.sampling.last_sampled or (None, {}, [])
         k, rows = len(inp.placeholder_rows), inp.placeholder_rows
         if rows[-1] == k - 1 and prev[:k] == req_ids[:k]:  # the first k rows, in the last order

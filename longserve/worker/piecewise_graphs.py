@@ -1,7 +1,6 @@
-"""Piecewise CUDA graphs for steps with prefill: T padded to a bucket, the forward as L + 1
-segments around the attentions (`segment`), each a graph per bucket over static buffers,
-attention eager on rows [0, T); `use_graphs=False` runs the same segments uncaptured
-(docs/architecture.md, 'CUDA graphs')."""
+"""Piecewise CUDA graphs for steps with prefill: the forward as L + 1 segments around the eager
+attentions (`segment`), each a graph per token bucket; `use_graphs=False` runs the same segments
+uncaptured (docs/architecture.md, 'CUDA graphs')."""
 from __future__ import annotations
 
 import bisect
@@ -18,9 +17,7 @@ MAX_GRAPH_TOKENS = 8192  # past this a step's dense work dwarfs its launch overh
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Padded token counts that get graphs: doubling to 1,024 (short, launch-bound steps), then
-    every 512 to 4,096 and every 1,024 past it (a step pads by at most 25%), up to the step budget
-    capped at MAX_GRAPH_TOKENS: 17 buckets at 8,192, each (L + 1) graph captures at start-up."""
+    """Padded token counts that get graphs (the ladder: docs/architecture.md, 'CUDA graphs')."""
     top = min(max_tokens, MAX_GRAPH_TOKENS)
     ladder = [16 << i for i in range(7)] + list(range(1536, 4097, 512)) + list(range(5120, top, 1024))
     return sorted({b for b in ladder if b < top} | {top})

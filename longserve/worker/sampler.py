@@ -82,8 +82,7 @@ def logit_bias_arrays(params: SamplingParams | None) -> tuple[np.ndarray, np.nda
 
 
 def apply_logit_bias(logits: torch.Tensor, biases: list[tuple[np.ndarray, np.ndarray] | None]) -> torch.Tensor:
-    """A copy with each row's biases added, every entry of the step in one index_put (no work
-    per entry in Python; logprobs stay those of the model, as vLLM's)."""
+    """A copy with the rows' biases added by one index_put (logprobs stay the model's, as vLLM)."""
     rows = [i for i, b in enumerate(biases) if b is not None]
     if not rows:
         return logits

@@ -1,6 +1,5 @@
 """Build one step's model inputs (token ids, positions, slot mapping, attention metadata): the one
-place the step's tokens are laid out, so PCP partitions them here (`PCPManager`) and CP's slot
-mapping stores each token on one rank."""
+place the step's tokens are laid out, so PCP partitions them here and CP's slots are set here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,11 +24,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the (restored) hidden states to take logits of
     num_local_tokens: int
     is_pure_decode: bool
-    # rows of the hidden states that score prompt tokens (prompt_logprob_targets), None: none
-    prompt_logprob_rows: np.ndarray | None = None
-    # rows of input_ids that hold PLACEHOLDER and each one's request index; None: none
-    placeholder_rows: np.ndarray | None = None
-    placeholder_reqs: np.ndarray | None = None
+    prompt_logprob_rows: np.ndarray | None = None  # hidden rows scoring prompt tokens (None: none)
+    placeholder_rows: np.ndarray | None = None  # input_ids rows holding PLACEHOLDER (None: none)
+    placeholder_reqs: np.ndarray | None = None  # and each one's request index
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """A step's sampling for the model runner (StepSampler: the first PCP rank's TP group samples; ids
-reach the host a step later and stay on the device for placeholders; a structured step waits
-for its bitmask) and what a step returns (ModelRunnerOutput)."""
+reach the host a step later) and what a step returns (ModelRunnerOutput)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,8 +37,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, float]]
     kv_connector_output: KVConnectorOutput | None = None
     prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
-    # the sampled ids while they are still on their way (request ids, ids); see resolve()
-    pending: tuple[list[str], SampledTokens] | None = None
+    pending: tuple[list[str], SampledTokens] | None = None  # (request ids, ids on their way)
     deferred: tuple | None = None  # (sampling requests, logits): waits for a grammar bitmask
 
     def resolve(self) -> ModelRunnerOutput:

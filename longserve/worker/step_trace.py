@@ -1,7 +1,6 @@
 """LONGSERVE_TRACE=DIR:FIRST:COUNT: every rank runs the torch profiler over its steps FIRST to
-FIRST + COUNT - 1 (counted from 0, the start-up's warm-up step included) and writes
-DIR/rank<R>.json, a timeline per rank (benchmarks/trace_gaps.py reads one; trace_skew.py the
-ranks' waits on each other in their collectives, which one trace cannot tell from transfer)."""
+FIRST + COUNT - 1 (from 0, warm-up included) into DIR/rank<R>.json (benchmarks/trace_gaps.py reads
+one; trace_skew.py the ranks' waits in collectives, which one trace cannot tell from transfer)."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,5 @@
-"""Worker utilities: KV block zeroing, KV cache binding, kernel block sizes, memory sizing.
-A layer's cache: [2, num_kernel_blocks, kernel_block_size, Hkv, D]; manager block b is kernel
-blocks b*k .. b*k+k-1 (contiguous), so its K and its V are two contiguous byte ranges."""
+"""Worker utilities. A layer's cache: [2, num_kernel_blocks, kernel_block_size, Hkv, D]; manager
+block b is kernel blocks b*k .. b*k+k-1, so its K and its V are two contiguous byte ranges."""
 from __future__ import annotations
 
 import math
@@ -256,8 +255,7 @@ class MemorySnapshot:
 
 
 def request_memory(init_snapshot: MemorySnapshot, cache_config: CacheConfig) -> int:
-    """Bytes the engine may take: total * gpu_memory_utilization (EngineArgs checked it), which
-    must be free now."""
+    """Bytes the engine may take, free now: total * gpu_memory_utilization (checked at the door)."""
     util = cache_config.gpu_memory_utilization
     requested = int(init_snapshot.total * util)
     if init_snapshot.free < requested:

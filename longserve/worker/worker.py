@@ -156,8 +156,7 @@ class Worker:
                     kv_bytes_per_block=self.runner.kv_bytes_per_block(), device_names=[device] * replica)
 
     def execute(self, out: SchedulerOutput, resolve: bool = True) -> ModelRunnerOutput | None:
-        """resolve=False: return as soon as the step is queued on the device; the output's
-        resolve() waits for the sampled ids (asynchronous scheduling)."""
+        """resolve=False: return once the step is queued; output.resolve() waits for the ids."""
         self.trace.before_step()
         result = self.runner.execute(out)
         self.trace.after_step()
@@ -193,8 +192,7 @@ def release_memory(runner) -> None:
 
 
 def exit_with_parent(poll_s: float = 0.5) -> None:
-    """End this process when the one that started it is gone (even killed with SIGKILL, which
-    runs no clean-up there): a thread watches the parent's pid."""
+    """End this process when its parent is gone, even by SIGKILL (a thread watches the pid)."""
     parent = os.getppid()
 
     def watch() -> None:
@@ -208,10 +206,9 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
 def worker_main(config: EngineConfig, rank: int, init_method: str,
                 local_rank: int | None = None, plans: tuple | None = None,
                 spawned_at: float | None = None, results: tuple | None = None) -> None:
-    """Entry of a worker: follow the driver's steps until it says shutdown. `plans`: (the handle
-    of the driver's ring, this rank's reader), spawned on its host; else the plans come over gloo
-    (torchrun). `results`: rank 0 in a process of its own sends the core its outputs. Its start-up
-    phases go to the store."""
+    """Entry of a worker: follow the driver's steps until SHUTDOWN. `plans`: (the handle of the
+    driver's ring, this rank's reader) when spawned on its host, else plans come by gloo (torchrun);
+    `results`: rank 0 in a process of its own sends the core its outputs. Phases go to the store."""
     timeline = Timeline(spawned_at)
     timeline.mark("process start + imports")
     if os.environ.get("LONGSERVE_TEST_WORKER_EXIT") == str(rank):  # test hook: die before joining
@@ -236,9 +233,8 @@ def worker_main(config: EngineConfig, rank: int, init_method: str,
         if outbox is not None:  # the core raises it (the watchdog would only see an exit code)
             outbox.send(WorkerFailure(f"{type(e).__name__}: {e}"), flush_s=2.0)
         os._exit(1)  # peers see the closed connection at once instead of waiting for a timeout
-    # the goodbye: the model and its CUDA graphs go first (NCCL's teardown of a communicator
-    # waits until no graph that captured it is left), then every rank closes its groups now,
-    # together (that teardown is collective)
+    # the goodbye: the model and its CUDA graphs first (NCCL frees a communicator only once no graph
+    # that captured it is left), then all ranks close their groups together (a collective teardown)
     worker.close()
     close_process_groups(peers_present=True)
 
@@ -256,8 +252,7 @@ def run_worker_loop(worker: Worker, plans: ShmRingBuffer | None = None,
                 worker.runner.sampling.sample_deferred(waiting, out[1])
                 outbox.send(waiting)
             continue
-        # asynchronous scheduling: queue the step and take the next plan (the sampled ids
-        # reach this rank on the device); with a KV connector the step is synchronous
+        # asynchronous scheduling: queue the step, take the next plan (ids reach it on the device)
         result = worker.execute(out, resolve=not worker.config.scheduler.async_scheduling)
         if worker.runner.kv_connector is not None:  # the driver unites the connectors' reports
             worker.ps.model.gather_object(result)
@@ -274,14 +269,12 @@ class WorkerFailure:
 
 
 class ResultSender:
-    """Rank 0 in a process of its own: each step's output goes to the core once its sampled ids are
-    on the host, from a thread, while the next step is launched (the ids wait on their event, which
-    releases the GIL)."""
+    """Rank 0 in a process of its own: a thread sends each step's output to the core once its ids
+    are on the host, while the next step is launched (the ids' event wait releases the GIL)."""
 
     def __init__(self, ring: ShmRingBuffer):
         self.ring, self.queue = ring, queue.SimpleQueue()
-        # the ids' event fires while the main thread launches the next step in Python: a short
-        # switch interval hands this thread the GIL at once (else up to 5 ms later)
+        # a short switch interval: the ids' event hands this thread the GIL at once (else <= 5 ms)
         sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
         threading.Thread(target=self._run, name="longserve-results", daemon=True).start()
 

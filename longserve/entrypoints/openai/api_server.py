@@ -196,8 +196,7 @@ def field_path(loc: tuple) -> str | None:
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def ready() -> LLMEngine:
-        """The engine can serve: loaded, and some engine core alive (with DP, the others go on
-        serving when one died)."""
+        """The engine can serve: loaded, and some engine core alive (with DP, others serve on)."""
         if state.core is None:
             raise OpenAIError(state.load_error or "the model is still loading; try again shortly",
                               503, "server_error", code="loading")

@@ -1,6 +1,5 @@
 """`longserve serve --api-server-count N`: a launcher holds the port and starts the cores, then N
-API-server processes that bind the port too (SO_REUSEPORT), each a whole front end on the same
-cores (docs/architecture.md, 'Several API servers': routing, metrics, /health, SIGTERM)."""
+API servers, each a whole front end on them (docs/architecture.md, 'Several API servers')."""
 from __future__ import annotations
 
 import logging

@@ -263,8 +263,7 @@ class SSEResponse(StreamingResponse):
 
 
 class Frames:
-    """A stream's SSE frames: `data: {"id", "object", "created", "model"` encoded once, then
-    each chunk's choices (and fields, e.g. usage) and the end."""
+    """A stream's SSE frames: the constant head encoded once, then each chunk's choices, fields."""
 
     def __init__(self, request_id: str, kind: str, model: str):
         self.head = b"data: " + encode(response_body(request_id, kind, model, []))[:-len(b'"choices":[]}')]
