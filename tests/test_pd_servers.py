@@ -192,6 +192,7 @@ def test_other_layouts_behind_proxy_match_one_instance(tmp_path, producer, consu
     procs = {}
     try:
         url, p_url, d_url = start_pd(tmp_path, procs, producer, consumer, producer_kvt)
+        assert kv_usage(p_url) == 0.0  # the server's warm-up holds no blocks under a lease
         r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want

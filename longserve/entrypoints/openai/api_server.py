@@ -109,12 +109,13 @@ async def _load(state: ServerState, load_core, on_load_error) -> None:
 
 async def _warm_up(state: ServerState) -> None:
     """Two tokens streamed through completions and chat: what a first request touches (a chat
-    template compiles at its first use) is done before /health says 200."""
-    messages = [ChatMessage(role="user", content="Hello")]
-    for create in (lambda: state.completion.create_completion(
-                       CompletionRequest(prompt="Hello", max_tokens=2, stream=True)),
-                   lambda: state.chat.create_chat_completion(
-                       ChatCompletionRequest(messages=messages, max_tokens=2, stream=True))):
+    template compiles at its first use) is done before /health says 200. A KV producer keeps
+    no blocks of them under a lease."""
+    messages, kv = [ChatMessage(role="user", content="Hello")], {"do_remote_decode": False}
+    for create in (lambda: state.completion.create_completion(CompletionRequest(
+                       prompt="Hello", max_tokens=2, stream=True, kv_transfer_params=kv)),
+                   lambda: state.chat.create_chat_completion(ChatCompletionRequest(
+                       messages=messages, max_tokens=2, stream=True, kv_transfer_params=kv))):
         try:
             async for _ in (await create()).body_iterator:
                 pass
