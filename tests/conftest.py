@@ -36,3 +36,23 @@ def smollm2_gguf():
     the test cache)."""
     from longserve.models.builtin import resolve_model
     return resolve_model("smollm2")
+
+
+def _hf_where(gguf_path: str) -> dict:
+    return dict(pretrained_model_name_or_path=os.path.dirname(gguf_path),
+                gguf_file=os.path.basename(gguf_path))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf):
+    """HF transformers' tokenizer rebuilt from the same .gguf (~8 s: loaded once a session)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(**_hf_where(smollm2_gguf))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """HF transformers' model from the same .gguf, dequantized by HF itself, float32 (~20 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(**_hf_where(smollm2_gguf), dtype=torch.float32).eval()

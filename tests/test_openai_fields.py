@@ -223,23 +223,18 @@ def test_banner_and_request_log(server, log):
 
 
 @pytest.mark.timeout(300)
-def test_lm_eval_loglikelihood_requests_match_hf_transformers(smollm2_gguf):
+def test_lm_eval_loglikelihood_requests_match_hf_transformers(smollm2_gguf, hf_smollm2_tokenizer, hf_smollm2):
     """What lm-eval's local-completions sends for a loglikelihood (echo, logprobs=1, max_tokens
     1, temperature 0; the text of context + continuation tokens) against SmolLM2, scored as
     lm-eval does (token_logprobs[ctxlen:-1]), equals HF transformers on the same GGUF."""
     import json
-    import os
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    where = dict(pretrained_model_name_or_path=os.path.dirname(smollm2_gguf),
-                 gguf_file=os.path.basename(smollm2_gguf))
+    tok, hf = hf_smollm2_tokenizer, hf_smollm2
     llm = LLM(smollm2_gguf, device="cpu", max_model_len=512)  # held: the server serves its engine
     srv = ServerThread(lambda: llm.engine)
     try:
         srv.wait_healthy(120)
-        tok = AutoTokenizer.from_pretrained(**where)
-        hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         docs = [json.loads(line) for line in open("benchmarks/lm_eval/longserve_mc.jsonl")][:4]
         for doc in docs:
             ctx = tok(f"Question: {doc['question']}\nAnswer:")["input_ids"]

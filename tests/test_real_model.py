@@ -1,8 +1,6 @@
 """SmolLM2-135M-Instruct, a real trained model (Q4_1 GGUF, Llama architecture, 9 heads, 3 KV
 heads): one rank's greedy tokens equal HF transformers loading the same file (CPU, float32),
 for plain and chat prompts; every parallel layout gives one rank's tokens."""
-import os
-
 import pytest
 import torch
 
@@ -54,23 +52,17 @@ def hf_greedy(model, prompt: list[int], n: int):
     return tokens, chosen
 
 
-def test_one_rank_matches_hf_transformers(smollm2_gguf, prompt_ids, reference):
+def test_one_rank_matches_hf_transformers(hf_smollm2, prompt_ids, reference):
     """HF dequantizes the GGUF itself (and undoes llama.cpp's q/k permutation its own way)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf),
-                                                 gguf_file=os.path.basename(smollm2_gguf),
-                                                 dtype=torch.float32).eval()
     tokens, chosen = reference
     for p, ours, ours_lp in zip(prompt_ids, tokens, chosen):
-        ref, ref_lp = hf_greedy(model, p, MAX_TOKENS)
+        ref, ref_lp = hf_greedy(hf_smollm2, p, MAX_TOKENS)
         assert ours == ref
         assert torch.allclose(ours_lp, torch.tensor(ref_lp), atol=1e-4, rtol=0)
 
 
-def test_tokenizer_matches_hf_transformers(smollm2_gguf, one_rank):
-    from transformers import AutoTokenizer
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf),
-                                       gguf_file=os.path.basename(smollm2_gguf))
+def test_tokenizer_matches_hf_transformers(hf_smollm2_tokenizer, one_rank):
+    hf = hf_smollm2_tokenizer
     tok = one_rank.get_tokenizer()
     chats = [one_rank.engine.encode_chat([{"role": "user", "content": q}])["prompt"] for q in CHAT]
     for text in PLAIN + CHAT + chats + ["3.14159 apples,\n\n\tand 🤖 ünïcødé  "]:
