@@ -56,6 +56,19 @@ def check_all(device: str) -> None:
         outs = ops.rotary(q, k, cos, sin, (qw, kw, 1e-6), out=(static[0][:37], static[1][:37]))
         assert outs[0].data_ptr() == static[0].data_ptr() and not static[0][37:].any()
         assert all(torch.equal(a, b) for a, b in zip(outs, got))
+        # the K/V store fused in: a token's rotated k and its v in its slot, bit-equal to what the
+        # kernel returns; slot -1 (padding, another CP rank's token) and other slots untouched
+        v = heads[:, 4:5]
+        cache = torch.full((2, 8, 16, 1, 64), 7.0, device=device, dtype=dtype)  # [2, N, B, Hk, D]
+        slots = torch.randperm(128, generator=g)[:37].to(device)
+        slots[::5] = -1
+        outs = ops.rotary(q, k, cos, sin, (qw, kw, 1e-6), store=(v, cache[0], cache[1], slots))
+        assert all(torch.equal(a, b) for a, b in zip(outs, got))
+        flat, kept = cache.view(2, 128, 64), slots >= 0
+        assert torch.equal(flat[0, slots[kept]], got[1][kept, 0]) and torch.equal(flat[1, slots[kept]], v[kept, 0])
+        untouched = torch.ones(128, dtype=torch.bool, device=device)
+        untouched[slots[kept]] = False
+        assert (flat[:, untouched] == 7.0).all()
 
         gu = torch.randn(37, 2 * 80, generator=g).to(device, dtype)
         torch.testing.assert_close(ops.silu_and_mul(gu), ops.silu_and_mul_torch(gu),

@@ -61,9 +61,19 @@ class Attention(nn.Module):
         # FP8 cache: [2, Hkv] float32 K and V scales of the cache it reads, else None (kv_scales.py)
         self.kv_scale: torch.Tensor | None = None
 
-    def forward(self, q, k, v, meta: AttentionMetadata, out=None):
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] (written into `out` when given)."""
-        return meta.backend.forward(self, q, k, v, meta, out)
+    def forward(self, q, k, v, meta: AttentionMetadata, out=None, kv_stored: bool = False):
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] (written into `out` when given); kv_stored:
+        RoPE's kernel stored k and v (rope_store)."""
+        return meta.backend.forward(self, q, k, v, meta, out, kv_stored)
+
+    def rope_store(self, meta: AttentionMetadata) -> tuple | None:
+        """(k_cache, v_cache, slot_mapping) for RoPE's kernel to store this step's K/V in (one
+        launch fewer a layer): a pure decode step on the Triton backend, into this layer's own
+        cache, not FP8 (its store quantizes), with no PCP gather of the step's K/V."""
+        if meta.backend.rope_stores and meta.num_decode_tokens == meta.num_tokens and \
+                self.kv_sharing_target is None and self.kv_scale is None and meta.pcp_kv_index is None:
+            return self.kv_cache[0], self.kv_cache[1], meta.slot_mapping
+        return None
 
 
 class TorchAttentionBackend:
@@ -71,19 +81,21 @@ class TorchAttentionBackend:
     supports_pcp = True
     can_return_lse_for_decode = True
     supports_mtp_with_cp_non_trivial_interleave_size = False
+    rope_stores = False  # the K/V store stays here (the Triton backend's goes into RoPE's kernel)
 
     @staticmethod
     def get_supported_kernel_block_sizes():
         return [MultipleOf(1)]
 
     # ---- the algorithm ------------------------------------------------------------------
-    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata, out=None):
+    def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata, out=None, kv_stored=False):
         ps = meta.ps
         if meta.pcp_kv_index is not None:  # the step's K/V of every PCP rank, request order
             k = ps.pcp.all_gather(k, 0)[meta.pcp_kv_index]
             v = ps.pcp.all_gather(v, 0)[meta.pcp_kv_index]
         if layer.kv_sharing_target is None:
-            self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping, layer.kv_scale)
+            if not kv_stored:
+                self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping, layer.kv_scale)
             if layer.kv_shared:  # kept to the step's end (a decode graph's, as long as the graph)
                 meta.step_kv[layer.layer_idx] = (k, v)
         else:  # cross-layer KV sharing: the target's K/V, for the new tokens and the cache alike
@@ -218,6 +230,7 @@ FUSED_SDPA = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend
 class TritonAttentionBackend(TorchAttentionBackend):
     """CUDA: Triton kernels for the paged cache, cuDNN / flash SDPA for the new tokens."""
     name = "TRITON"
+    rope_stores = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int):
         from longserve.attention import triton_kernels as tk  # (Triton only where this runs)

@@ -44,7 +44,8 @@ def rms_norm_triton(x, weight, eps, residual=None):
 
 
 # ---- Neox-style rotary embedding of q and k, optionally after a per-head RMSNorm (Qwen3's q/k norm) --
-# one program per token, all its q heads and then all its k heads
+# one program per token, all its q heads and then all its k heads; with STORE also the token's rotated
+# k and its v into their cache slot (a decode step's KV store, one launch fewer a layer)
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, c, s, w_ptr, eps, H, i, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -67,8 +68,9 @@ def _rotate_heads(x_ptr, out_ptr, c, s, w_ptr, eps, H, i, HALF: tl.constexpr, BL
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, stride_q, stride_k,
-                   stride_qo, stride_ko, stride_c, HQ, HK, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                   BLOCK_HK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
+                   stride_qo, stride_ko, stride_c, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_v, stride_slot,
+                   HQ, HK, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   BLOCK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)[None, :]
     dtype = q_ptr.dtype.element_ty  # cos / sin rounded to it, as HF multiplies in the model dtype
@@ -78,19 +80,33 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
                   NORM)
     _rotate_heads(k_ptr + t * stride_k, ko_ptr + t * stride_ko, c, s, kw_ptr, eps, HK, i, HALF, BLOCK_HK,
                   NORM)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:  # (-1: a padding row, or a token another CP rank stores)
+            _rotate_heads(k_ptr + t * stride_k, kc_ptr + slot * stride_slot, c, s, kw_ptr, eps, HK, i, HALF,
+                          BLOCK_HK, NORM)
+            h = tl.arange(0, BLOCK_HK)[:, None] * (2 * HALF)
+            d = tl.arange(0, 2 * BLOCK)[None, :]
+            ok = (h < HK * 2 * HALF) & (d < 2 * HALF)
+            tl.store(vc_ptr + slot * stride_slot + h + d, tl.load(v_ptr + t * stride_v + h + d, mask=ok), mask=ok)
 
 
-def rotary_triton(q, k, cos, sin, norm=None, out=None):
+def rotary_triton(q, k, cos, sin, norm=None, out=None, store=None):
     (T, HQ, D), HK = q.shape, k.shape[1]
     q_out, k_out = out or (q.new_empty(q.shape), k.new_empty(k.shape))
     if T:  # each token's heads packed (views of the fused QKV output are)
-        assert all(x.stride()[1:] == (D, 1) for x in (q, k, q_out, k_out)) and cos.stride() == sin.stride()
-        qw, kw, eps = norm or (cos, cos, 0.0)  # dummy pointers without the norm
+        v, k_cache, v_cache, slots = store or (k, k, k, cos)  # dummy pointers without the store
+        assert all(x.stride()[1:] == (D, 1) for x in (q, k, v, q_out, k_out)) and cos.stride() == sin.stride()
+        assert store is None or (k_cache.dtype == k.dtype and k_cache.stride() == v_cache.stride()
+                                 and k_cache.stride() == (k_cache.shape[1] * HK * D, HK * D, D, 1)
+                                 and slots.shape == (T,))
+        qw, kw, eps = norm or (cos, cos, 0.0)  # (and without the norm)
         _rotary_kernel[(T,)](q, k, q_out, k_out, cos, sin, qw, kw, eps, q.stride(0), k.stride(0),
-                             q_out.stride(0), k_out.stride(0), cos.stride(0), HQ, HK, HALF=D // 2,
+                             q_out.stride(0), k_out.stride(0), cos.stride(0), v, k_cache, v_cache, slots,
+                             v.stride(0), k_cache.stride(1), HQ, HK, HALF=D // 2,
                              BLOCK_HQ=triton.next_power_of_2(HQ), BLOCK_HK=triton.next_power_of_2(HK),
                              BLOCK=triton.next_power_of_2(D // 2), NORM=norm is not None,
-                             num_warps=4 if HQ * D >= 2048 else 2)
+                             STORE=store is not None, num_warps=4 if HQ * D >= 2048 else 2)
     return q_out, k_out
 
 

@@ -36,16 +36,19 @@ def rms_norm_torch(x, weight, eps, residual=None):
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           norm: tuple | None = None, out: tuple | None = None):
+           norm: tuple | None = None, out: tuple | None = None, store: tuple | None = None):
     """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hk, D] (each token's heads packed) in
     one kernel; cos / sin [T, D/2] float32 -> rotated (q, k), into out = (q_out, k_out) (heads
-    packed) if given. norm: (q weight [D], k weight [D], eps) of per-head RMSNorms first (Qwen3)."""
+    packed) if given. norm: (q weight [D], k weight [D], eps) of per-head RMSNorms first (Qwen3).
+    store (Triton only): (v, k_cache, v_cache, slot_mapping [T]) also puts each token's rotated k
+    and its v in its slot of a cache of k's dtype ([N, B, Hk, D]; slot -1: not stored)."""
     if not use_triton(q):
+        assert store is None, "the K/V store fused into RoPE is the Triton kernel's"
         weights = (None, None) if norm is None else norm[:2]
         return tuple(_rotary_one(x, cos, sin, w, norm and norm[2], o)
                      for x, w, o in zip((q, k), weights, out or (None, None)))
     from longserve.models.fused_kernels import rotary_triton
-    return rotary_triton(q, k, cos, sin, norm, out)
+    return rotary_triton(q, k, cos, sin, norm, out, store)
 
 
 def _rotary_one(x, cos, sin, weight, eps, out):

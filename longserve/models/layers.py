@@ -206,7 +206,8 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
-    def forward(self, cos_sin, q, k, q_norm=None, k_norm=None, out=None):
-        """q [T, Hq, D], k [T, Hk, D]; q_norm, k_norm: per-head norms first; out: (q_out, k_out)."""
+    def forward(self, cos_sin, q, k, q_norm=None, k_norm=None, out=None, store=None):
+        """q [T, Hq, D], k [T, Hk, D]; q_norm, k_norm: per-head norms first; out: (q_out, k_out);
+        store: see fused_ops.rotary."""
         norm = None if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-        return rotary(q, k, *cos_sin, norm, out)
+        return rotary(q, k, *cos_sin, norm, out, store)

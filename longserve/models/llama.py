@@ -33,13 +33,15 @@ class LlamaAttention(nn.Module):
                               kv_sharing_target=cfg.kv_sharing.get(layer_idx),
                               kv_shared=layer_idx in cfg.kv_sharing.values())
 
-    def qkv(self, cos_sin, hidden, out=None):
-        """hidden [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], with RoPE (q, k into `out`)."""
+    def qkv(self, cos_sin, hidden, out=None, store=None):
+        """hidden [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], with RoPE (q, k into `out`; K and V
+        into the cache too with store = Attention.rope_store's)."""
         q, k, v = self.qkv_proj(hidden)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(cos_sin, q, k, self.q_norm, self.k_norm, out)  # Qwen3: q/k norm first
+        q, k = self.rotary(cos_sin, q, k, self.q_norm, self.k_norm, out,  # Qwen3: q/k norm first
+                           store and (v, *store))
         return q, k, v
 
 
@@ -66,10 +68,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, cos_sin, hidden, residual, meta, sp: bool, dp_pad: int | None = None):
         """With sequence parallelism (`sp`) hidden and residual hold this TP rank's slice of the tokens
         between layers; dp_pad: tokens per DP rank in expert layers."""
-        q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp)
-        return self.after_attention(self.self_attn.attn(q, k, v, meta), residual, sp, dp_pad)
+        store = self.self_attn.attn.rope_store(meta)
+        q, k, v, residual = self.before_attention(cos_sin, hidden, residual, sp, store=store)
+        attn_out = self.self_attn.attn(q, k, v, meta, kv_stored=store is not None)
+        return self.after_attention(attn_out, residual, sp, dp_pad)
 
-    def before_attention(self, cos_sin, hidden, residual, sp: bool = False, out=None):
+    def before_attention(self, cos_sin, hidden, residual, sp: bool = False, out=None, store=None):
         """Input norm (+ residual add), QKV, q/k norm and RoPE -> q, k, v, residual (out: see qkv)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
@@ -77,7 +81,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         if sp:
             hidden = self.tp.all_gather(hidden, 0)
-        q, k, v = self.self_attn.qkv(cos_sin, hidden, out)
+        q, k, v = self.self_attn.qkv(cos_sin, hidden, out, store)
         return q, k, v, residual
 
     def after_attention(self, attn_out, residual, sp: bool = False, dp_pad: int | None = None):
