@@ -369,7 +369,7 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
 
 # split decode's (BLOCK_N, num_warps, num_stages), from benchmarks/bench_decode_attn.py --sweep
 SPLIT_DECODE = (64, 4, 2)
-SPLIT_DECODE_WIDE = (128, 4, 2)  # 32+ query heads on a KV head (tp=2 x dcp=2, one KV head): faster
+SPLIT_DECODE_WIDE = (128, 4, 4)  # 32+ query heads on a KV head (tp=2 x dcp=2, one KV head): faster
 # FP8 (V converted first, _e4m3_to_f16): 64-token tiles keep registers low enough for 128K in one wave
 SPLIT_DECODE_FP8 = (64, 4, 2)
 # FP8 cache with bf16 queries: dot in fp16. e4m3 -> fp16 is one cvt per two values on sm_90,
