@@ -70,6 +70,10 @@ MIXED = [  # (name, q heads, KV heads, short requests, their context, the long o
     ("one GPU: 256 x 1152, table 140K", 32, 8, 256, 1152, 0, 140000),
     ("one GPU: 256 x 1152, table 33K", 32, 8, 256, 1152, 0, 33024),
     ("one GPU: 1 x 16K, table 140K", 32, 8, 0, 0, 16384, 140000),
+    # a P/D consumer (or any server) decoding 1K-token requests beside one 32K prompt's decode
+    ("one GPU: 64 x 1K + 1 x 32K, table 140K", 32, 8, 64, 1024, 32768, 140000),
+    ("one GPU: 256 x 1K + 1 x 32K, table 140K", 32, 8, 256, 1024, 32768, 140000),
+    ("one GPU: 16 x 1K, table 140K", 32, 8, 16, 1024, 0, 140000),
     # bench_dp's MoE rows at 512 decodes (Qwen3-30B-A3B: 32 q / 4 KV heads, 320 tokens, table 336)
     ("MoE dp=4 rank: 128 x 320", 32, 4, 128, 320, 0, 336),
     ("MoE tp=4 rank: 512 x 320", 8, 1, 512, 320, 0, 336),
