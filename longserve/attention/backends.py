@@ -68,10 +68,10 @@ class Attention(nn.Module):
 
     def rope_store(self, meta: AttentionMetadata) -> tuple | None:
         """(k_cache, v_cache, slot_mapping) for RoPE's kernel to store this step's K/V in (one
-        launch fewer a layer): a pure decode step on the Triton backend, into this layer's own
-        cache, not FP8 (its store quantizes), with no PCP gather of the step's K/V."""
+        launch fewer a layer): a pure decode step (no PCP gather then) on the Triton backend, into
+        this layer's own cache, not FP8 (its store quantizes)."""
         if meta.backend.rope_stores and meta.num_decode_tokens == meta.num_tokens and \
-                self.kv_sharing_target is None and self.kv_scale is None and meta.pcp_kv_index is None:
+                self.kv_sharing_target is None and self.kv_scale is None:
             return self.kv_cache[0], self.kv_cache[1], meta.slot_mapping
         return None
 

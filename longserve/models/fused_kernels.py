@@ -50,7 +50,8 @@ def rms_norm_triton(x, weight, eps, residual=None):
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, c, s, w_ptr, eps, H, i, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                   NORM: tl.constexpr):
-    """One token's H heads (x_ptr, out_ptr: at that token's row, heads 2 * HALF apart); c, s [1, BLOCK]."""
+    """One token's H heads (x_ptr, out_ptr: at that token's row, heads 2 * HALF apart); c, s [1, BLOCK].
+    Returns the rotated halves [BLOCK_H, BLOCK], as stored."""
     h = tl.arange(0, BLOCK_H)[:, None] * (2 * HALF)
     ok = (h < H * 2 * HALF) & (i < HALF)
     x1 = tl.load(x_ptr + h + i, mask=ok, other=0.0)
@@ -62,8 +63,10 @@ def _rotate_heads(x_ptr, out_ptr, c, s, w_ptr, eps, H, i, HALF: tl.constexpr, BL
         w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
         a = ((a * r).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
         b = ((b * r).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
-    tl.store(out_ptr + h + i, (a * c - b * s).to(x1.dtype), mask=ok)
-    tl.store(out_ptr + h + HALF + i, (b * c + a * s).to(x1.dtype), mask=ok)
+    lo, hi = (a * c - b * s).to(x1.dtype), (b * c + a * s).to(x1.dtype)
+    tl.store(out_ptr + h + i, lo, mask=ok)
+    tl.store(out_ptr + h + HALF + i, hi, mask=ok)
+    return lo, hi
 
 
 @triton.jit
@@ -78,17 +81,19 @@ def _rotary_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
     s = tl.load(sin_ptr + t * stride_c + i, mask=i < HALF, other=0.0).to(dtype).to(tl.float32)
     _rotate_heads(q_ptr + t * stride_q, qo_ptr + t * stride_qo, c, s, qw_ptr, eps, HQ, i, HALF, BLOCK_HQ,
                   NORM)
-    _rotate_heads(k_ptr + t * stride_k, ko_ptr + t * stride_ko, c, s, kw_ptr, eps, HK, i, HALF, BLOCK_HK,
-                  NORM)
+    k_lo, k_hi = _rotate_heads(k_ptr + t * stride_k, ko_ptr + t * stride_ko, c, s, kw_ptr, eps, HK, i, HALF,
+                               BLOCK_HK, NORM)
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:  # (-1: a padding row, or a token another CP rank stores)
-            _rotate_heads(k_ptr + t * stride_k, kc_ptr + slot * stride_slot, c, s, kw_ptr, eps, HK, i, HALF,
-                          BLOCK_HK, NORM)
-            h = tl.arange(0, BLOCK_HK)[:, None] * (2 * HALF)
-            d = tl.arange(0, 2 * BLOCK)[None, :]
-            ok = (h < HK * 2 * HALF) & (d < 2 * HALF)
-            tl.store(vc_ptr + slot * stride_slot + h + d, tl.load(v_ptr + t * stride_v + h + d, mask=ok), mask=ok)
+            h = tl.arange(0, BLOCK_HK)[:, None] * (2 * HALF)  # the halves' layout, as _rotate_heads's
+            ok = (h < HK * 2 * HALF) & (i < HALF)
+            kc, vc = kc_ptr + slot * stride_slot + h + i, vc_ptr + slot * stride_slot + h + i
+            v = v_ptr + t * stride_v + h + i
+            tl.store(kc, k_lo, mask=ok)
+            tl.store(kc + HALF, k_hi, mask=ok)
+            tl.store(vc, tl.load(v, mask=ok), mask=ok)
+            tl.store(vc + HALF, tl.load(v + HALF, mask=ok), mask=ok)
 
 
 def rotary_triton(q, k, cos, sin, norm=None, out=None, store=None):
