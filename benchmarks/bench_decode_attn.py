@@ -2,12 +2,13 @@
 
 Default: the offline workload's shapes at batch 256 (Qwen3-0.6B: 16 query / 8 KV heads;
 Llama-3-8B: 32 / 8; head_dim 128, bf16, ~1152 cached tokens a request) for several page sizes.
---mixed: short requests beside a long one, the table as wide as a server's (the long one's splits).
+--mixed: short requests beside a long one, the table as wide as a server's (the long one's shares).
 --long: long-context decode, bf16 and FP8 caches: Llama-3-8B at 128K batch 1, and the one-KV-head
 shape (32 query heads on one KV head; tp=2 holds 16 of them over the whole context, tp=2 x dcp=2
 all 32 over half) at 128K batch 1 and 64 x 32K. --sweep bf16 fp8 / --split-sweep: split decode's
 knobs per cache dtype, and the split count. Each call is replayed in a CUDA graph; GB/s counts the K and V bytes
-a call must read once (the split partials it writes and merges are overhead, not counted).
+a call must read once (the split partials it writes and merges are overhead, not counted); decode's
+work-item plan (plan_decode, once a step for all layers) is built outside the timing.
 """
 import argparse
 import itertools
@@ -54,13 +55,16 @@ def timed_us(call, iters=50):
 
 def bench(hq, hkv, page, reqs, ctx, fp8=False, splits=None, iters=50):
     case = make_case(hq, hkv, page, reqs, ctx, fp8)
-    us = timed_us(lambda: tk.paged_attention_lse(**case, num_kv_splits=splits), iters)
+    plan = tk.plan_decode(case["kv_lens"], hq, hkv, 128, splits)  # once a step, for every layer
+    us = timed_us(lambda: tk.paged_attention_lse(**case, plan=plan), iters)
     gb = 2 * reqs * ctx * hkv * 128 * (1 if fp8 else 2) / 1e9
     return us, gb / (us / 1e6)
 
 
 def default_splits(hkv, reqs, ctx, hq=32):
-    return tk._auto_splits(reqs, reqs, hq, hkv, 128, 1, ctx, torch.device("cuda"))
+    """Decode's work-item budget (items past one a request; the kernel cuts each request's KV into
+    shares near sum(kv) / budget)."""
+    return tk._decode_budget(reqs, hq, hkv, 128, torch.device("cuda"))
 
 
 MIXED = [  # (name, q heads, KV heads, short requests, their context, the long one's, table width)
@@ -105,15 +109,18 @@ def mixed_case(hq, hkv, page, n_short, short_ctx, long_ctx, table_ctx, dev="cuda
 
 def mixed_table(page, bw=4.8e12):
     """Decode attention of a mixed batch: the step waits for the slowest program (the long request's
-    splits), not the bytes; floor = the KV bytes at `bw`."""
-    print("\n| batch | splits | us | floor (us) | / floor |\n| --- | --- | --- | --- | --- |")
+    shares), not the bytes; floor = the KV bytes at `bw`."""
+    print("\n| batch | item budget | us | floor (us) | / floor | plan (us, once a step) |"
+          "\n| --- | --- | --- | --- | --- | --- |")
     for name, hq, hkv, n_short, short_ctx, long_ctx, table_ctx in MIXED:
         case, tokens = mixed_case(hq, hkv, page, n_short, short_ctx, long_ctx, table_ctx)
-        us = timed_us(lambda: tk.paged_attention_lse(**case))
+        plan = tk.plan_decode(case["kv_lens"], hq, hkv, 128)
+        us = timed_us(lambda: tk.paged_attention_lse(**case, plan=plan))
+        plan_us = timed_us(lambda: tk.plan_decode(case["kv_lens"], hq, hkv, 128))
         reqs = case["q"].shape[0]
-        splits = tk._auto_splits(reqs, reqs, hq, hkv, 128, 1, table_ctx, torch.device("cuda"))
+        splits = default_splits(hkv, reqs, table_ctx, hq)
         floor = 2 * tokens * hkv * 128 * 2 / bw * 1e6
-        print(f"| {name} | {splits} | {us:.1f} | {floor:.1f} | {us / floor:.2f}x |", flush=True)
+        print(f"| {name} | {splits} | {us:.1f} | {floor:.1f} | {us / floor:.2f}x | {plan_us:.1f} |", flush=True)
 
 
 LONG = [  # (name, q heads, KV heads, requests, context)
@@ -126,7 +133,7 @@ LONG = [  # (name, q heads, KV heads, requests, context)
 
 
 def long_table(page):
-    print("\n| shape | KV | splits | us | KV GB/s |\n| --- | --- | --- | --- | --- |")
+    print("\n| shape | KV | item budget | us | KV GB/s |\n| --- | --- | --- | --- | --- |")
     for name, hq, hkv, reqs, ctx in LONG:
         for fp8 in (False, True):
             us, gbs = bench(hq, hkv, page, reqs, ctx, fp8)
@@ -159,9 +166,9 @@ def sweep(page, fp8: bool, shapes):
 
 
 def split_sweep(page):
-    """The split count around the default, per long shape, bf16 (partials and their merge grow
-    with splits x query heads: the one-KV-head shapes feel it most)."""
-    print("\n| shape | KV | splits | us | KV GB/s |\n| --- | --- | --- | --- | --- |")
+    """The work-item budget around the default, per long shape, bf16 (partials and their merge grow
+    with items x query heads: the one-KV-head shapes feel it most)."""
+    print("\n| shape | KV | item budget | us | KV GB/s |\n| --- | --- | --- | --- | --- |")
     for (name, hq, hkv, reqs, ctx), fp8 in itertools.product(LONG, (False,)):
         base = default_splits(hkv, reqs, ctx, hq)
         for s in sorted({max(1, base // 4), max(1, base // 2), base, base * 2, base * 4}):

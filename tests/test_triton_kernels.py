@@ -20,6 +20,8 @@ import traceback
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings, strategies as st
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -204,15 +206,16 @@ def check_attention_multirow(G, device="cpu", dtype=torch.float32, D=16, B=4, Hk
 
 def check_attention_splits(device="cpu", dtype=torch.float32, G=2, D=16, B=4, Hkv=2,
                            kv_lens=(37, 0, 5, 64), q_lens=(1, 2, 5, 1), splits=(1, 2, 3, 7, None)):
-    """Split and non-split paths agree (and with the reference), for multi-row (prefix) and
-    one-row (decode) queries; more splits than tiles too; decode shares of >= MIN_SPLIT tokens
-    (short requests leave most splits empty, unwritten) and of one tile."""
+    """Split and non-split paths agree (and with the reference), for multi-row (prefix) queries
+    (more splits than tiles too) and one-row (decode) queries under several work-item budgets,
+    shares of >= MIN_SHARE tokens (all requests whole) and of one tile (the long ones cut)."""
     tk = _kernels()
-    for lens, min_split in ((q_lens, tk.MIN_SPLIT), ([1] * len(kv_lens), tk.MIN_SPLIT),
-                            ([1] * len(kv_lens), 1)):
-        case = make_attention_case(list(kv_lens), list(lens), Hkv, G, D, B, dtype, device, seed=3)
+    ones = [1] * len(kv_lens)
+    for kv, lens, min_split in ((kv_lens, q_lens, tk.MIN_SHARE), (kv_lens, ones, tk.MIN_SHARE),
+                                (kv_lens, ones, 1), (kv_lens[-1:], [1], 1)):  # (one request: its merge)
+        case = make_attention_case(list(kv), list(lens), Hkv, G, D, B, dtype, device, seed=3)
         base_out, base_lse = _check_attention(case, num_kv_splits=1, dtype=dtype)
-        saved, tk.MIN_SPLIT = tk.MIN_SPLIT, min_split
+        saved, tk.MIN_SHARE = tk.MIN_SHARE, min_split
         try:
             for s in splits[1:]:
                 out, lse = _check_attention(case, num_kv_splits=s, dtype=dtype)
@@ -220,7 +223,7 @@ def check_attention_splits(device="cpu", dtype=torch.float32, G=2, D=16, B=4, Hk
                 torch.testing.assert_close(out, base_out, atol=tol, rtol=tol)
                 torch.testing.assert_close(lse, base_lse, atol=tol, rtol=tol)
         finally:
-            tk.MIN_SPLIT = saved
+            tk.MIN_SHARE = saved
 
 
 def check_attention_fp8(device="cpu", dtype=torch.float32, G=2, D=16, B=4, Hkv=2,
@@ -335,61 +338,95 @@ def check_compile_variants():
 
 
 @settings(max_examples=200, deadline=None)
-@given(programs=st.integers(1, 8192), context=st.integers(1, 1 << 21),
-       split_bytes=st.integers(1, 1 << 28), long_split=st.sampled_from([0, 2048]))
-def test_decode_splits_bound_the_longest_request_and_the_partials(programs, context, split_bytes,
-                                                                  long_split):
-    """A power of two in [1, 256]; the partials within their budget unless one split; with
-    long_split, a request as long as the table gets shares of <= long_split tokens whatever the
-    batch, unless a cap (256 splits, 256-token shares, the budget) stops it."""
+@given(T=st.integers(1, 8192), Hkv=st.integers(1, 16), block_q=st.sampled_from([2, 8, 64]),
+       context=st.integers(1, 1 << 21))
+def test_prefix_splits_are_few_and_fit_their_buffer(T, Hkv, block_q, context):
+    """A power of two in [1, 256] of >= 256 tokens each; the partials within their budget unless one."""
     from longserve.attention import triton_kernels as tk
-    s = tk._default_num_kv_splits(programs, context, torch.device("cpu"), split_bytes, long_split)
+    s = tk._auto_splits(T, 4 * Hkv, Hkv, 128, block_q, context, torch.device("cpu"))
     assert 1 <= s <= 256 and s & (s - 1) == 0
-    assert s == 1 or s * split_bytes <= tk.SPLIT_BUFFER_BYTES
-    caps = min(256, -(-context // 256), tk.SPLIT_BUFFER_BYTES // split_bytes)
-    if long_split and 2 * -(-context // long_split) <= caps:
-        assert -(-context // s) <= long_split
+    assert s == 1 or (s * T * 4 * Hkv * 129 * 4 <= tk.SPLIT_BUFFER_BYTES and s * 256 <= 2 * context)
 
 
-def test_a_batch_that_leaves_the_gpu_idle_splits_for_its_longest_request(monkeypatch):
-    """On a 132-SM GPU with a 140K-token table: 33 decodes of 2 KV heads (a tp=4 rank) give the
-    longest request shares of <= LONG_SPLIT tokens; 256 decodes fill the GPU and stay unsplit; one
-    request keeps its split by programs; a prefix (multi-row) batch is not split by length."""
+def test_the_decode_budget_fills_the_gpu_and_its_buffer_at_most(monkeypatch):
+    """On a 132-SM GPU: ~4 programs an SM for few requests, a request's worth an item for many
+    (shares near the mean context); the partials within SPLIT_BUFFER_BYTES."""
     from longserve.attention import triton_kernels as tk
     monkeypatch.setattr(tk, "_num_sms", lambda device: 132)
-    dev, table = torch.device("cuda"), 140_000
-    splits = tk._auto_splits(33, 33, 8, 2, 128, 1, table, dev)
-    assert -(-table // splits) <= tk.LONG_SPLIT
-    assert tk._auto_splits(256, 256, 32, 8, 128, 1, table, dev) == 1
-    assert tk._auto_splits(1, 1, 32, 8, 128, 1, table, dev) == 64  # 4 programs an SM
-    assert tk._auto_splits(33 * 16, 33, 8, 2, 128, 16, table, dev) < splits
-    # bench_dp's MoE decode at 512 (a dp=4 rank's 128 x 4 KV heads, a tp=4 rank's 512 x 1): 512
-    # programs fill 132 SMs; a split and its merge tripled the kernel's time
-    assert tk._auto_splits(128, 128, 32, 4, 128, 1, 336, dev) == 1
-    assert tk._auto_splits(512, 512, 8, 1, 128, 1, 336, dev) == 1
+    dev = torch.device("cuda")
+    assert tk._decode_budget(1, 32, 8, 128, dev) == 66  # Llama-3-8B at batch 1: 66 x 8 programs
+    assert tk._decode_budget(33, 8, 2, 128, dev) == 264  # a tp=4 rank
+    assert tk._decode_budget(200, 32, 8, 128, dev) == 200
+    assert tk._decode_budget(1000, 32, 8, 128, dev) == 1000
+    for R, hq in ((2000, 64), (4000, 128), (64, 32)):
+        budget = tk._decode_budget(R, hq, 8, 128, dev)
+        assert budget == 1 or (R + budget) * hq * 129 * 4 <= tk.SPLIT_BUFFER_BYTES
 
 
 def test_the_warm_up_runs_every_request_bucket_with_and_without_splits(monkeypatch):
     """The variants a step can pick differ in BLOCK_R (the request bucket: one request and a
-    full batch past 256 share their tiles, not it) and in the output's type (float32 split
-    partials): the warm-up runs decode and prefix parts with each (it launches nothing here)."""
+    full batch past 256 share their tiles, not it) and, for prefixes, in the output's type (float32
+    split partials): the warm-up runs each (it launches nothing here)."""
     from longserve.attention import triton_kernels as tk
     seen = set()
 
     class Kernel:
         def __getitem__(self, grid):
-            def launch(*args, **kw):  # args[6]: where it writes (float32: the split partials)
-                seen.add((kw["BLOCK_Q"] > 1, kw["BLOCK_R"], args[6].dtype))
+            def launch(*args, **kw):  # args[6]: where it writes (float32: a prefix's split partials)
+                seen.add((kw["BLOCK_Q"] > 1, kw["BLOCK_R"], args[6].dtype, kw["ITEMS"]))
             return launch
     monkeypatch.setattr(tk, "_paged_attn_kernel", Kernel())
-    monkeypatch.setattr(tk, "_merge_kv_splits", lambda *args: None)
+    monkeypatch.setattr(tk, "plan_decode", lambda kv_lens, *args: (1, None, None))
+    monkeypatch.setattr(tk, "_merge_kv_splits", lambda *args, **kw: None)
     monkeypatch.setattr(tk, "merge_attn_states_triton", lambda *args, **kw: None)
     kv = torch.zeros(2, 4, 16, 2, 32, dtype=torch.bfloat16)
     tk.compile_attention_variants(8, kv[0], kv[1], None, torch.bfloat16, 8192, 300)
-    for prefix in (False, True):
-        for dtype in (torch.bfloat16, torch.float32):
-            assert (prefix, 256, dtype) in seen
-    assert {(False, 512, torch.bfloat16), (False, 512, torch.float32)} <= seen
+    for dtype in (torch.bfloat16, torch.float32):
+        assert (True, 256, dtype, False) in seen
+    assert {(False, 256, torch.bfloat16, True), (False, 512, torch.bfloat16, True)} <= seen
+
+
+_tk = None  # the kernel module, for _find_item_probe's global lookup (set before its launch)
+
+
+@triton.jit
+def _find_item_probe(kv_lens_ptr, out_ptr, num_reqs, budget, min_share, ALIGN: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+    pid = tl.program_id(0)
+    req, first, n, share = _tk._find_item(kv_lens_ptr, pid, num_reqs, budget, min_share, ALIGN, BLOCK_R)
+    i = tl.arange(0, 4)
+    tl.store(out_ptr + 4 * pid + i, tl.where(i == 0, req, tl.where(i == 1, first, tl.where(i == 2, n, share))))
+
+
+def check_decode_items(device="cpu", examples=25):
+    """Decode's work items (_find_item), for all batches: each request's n >= 1 consecutive items
+    have one share (whole tiles) and cover its KV; <= R + budget items in all; no share past two
+    chunks and a tile, chunk = max(sum / budget, min_share): a long request beside short ones is cut."""
+    global _tk
+    _tk = _kernels()
+
+    @settings(max_examples=examples, deadline=None, database=None)
+    @given(kv=st.lists(st.integers(0, 40000), min_size=1, max_size=12), budget=st.integers(1, 64),
+           min_share=st.integers(1, 512))
+    def rule(kv, budget, min_share):
+        R, tile = len(kv), 16
+        out = torch.full((R + budget, 4), -7, dtype=torch.int32, device=device)
+        _find_item_probe[(R + budget,)](torch.tensor(kv, dtype=torch.int32, device=device), out, R,
+                                        budget, min_share, ALIGN=tile, BLOCK_R=16)
+        items = {}
+        for pid, (req, first, n, share) in enumerate(out.cpu().tolist()):
+            if req < R:  # (else a spare program: it returns)
+                assert first <= pid < first + n
+                items.setdefault(req, set()).add((pid, first, n, share))
+        assert sorted(items) == list(range(R)) and sum(len(v) for v in items.values()) <= R + budget
+        chunk = max(-(-sum(kv) // budget), min_share)
+        for req, mine in items.items():
+            first, n, share = min(mine)[1:]
+            assert len(mine) == n and {m[1:] for m in mine} == {(first, n, share)}
+            assert share % tile == 0 and n * share >= kv[req] and share < 2 * chunk + tile
+        if max(kv) >= 4 * chunk:
+            assert len(items[kv.index(max(kv))]) >= 4
+    rule()
 
 
 INTERPRETER_CHECKS = {
@@ -408,6 +445,7 @@ INTERPRETER_CHECKS = {
     "multirow_g4": lambda: check_attention_multirow(4),
     "multirow_fp16": lambda: check_attention_multirow(4, dtype=torch.float16, B=16),
     "splits": lambda: check_attention_splits(),
+    "decode_items": lambda: check_decode_items(),
     "shapes": lambda: check_attention_shapes(),
     "merge_fp32": lambda: check_merge(),
     "merge_bf16": lambda: check_merge(dtype=torch.bfloat16),
@@ -518,7 +556,12 @@ def test_gpu_multirow(dtype, G, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_splits(dtype):
     check_attention_splits("cuda", dtype, G=4, D=128, B=16, Hkv=2,
-                           kv_lens=(20000, 0, 129, 5000), q_lens=(1, 3, 16, 1), splits=(1, 4, 17, 64, None))
+                           kv_lens=(20000, 0, 129, 5000), q_lens=(1, 3, 16, 1), splits=(1, 4, 17, 64, 300, None))
+
+
+@gpu
+def test_gpu_decode_items():
+    check_decode_items("cuda", examples=40)
 
 
 @gpu

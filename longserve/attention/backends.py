@@ -234,7 +234,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int):
         from longserve.attention import triton_kernels as tk  # (Triton only where this runs)
-        self.store_kv, self.paged_kernel = tk.store_kv, tk.paged_attention_lse
+        self.store_kv, self.paged_kernel, self.plan_decode = tk.store_kv, tk.paged_attention_lse, tk.plan_decode
         self.merge_states, self.merge_partials = tk.merge_attn_states_triton, tk.merge_partials_triton
         if device.type == "cuda":  # which SDPA op runs: decided now, before serving
             sdpa_choice(device, dtype, head_dim)
@@ -247,9 +247,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
         """out / lse (with packed_paged_attention): where the Triton kernel writes."""
         if _dense_prefix(q, part) and out is None:
             return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
+        if part.max_query_len <= 1 and part.packed is None:  # decode's work items: once a step
+            part.packed = self.plan_decode(part.kv_lens, q.shape[1], k_cache.shape[2], q.shape[2])
         return self.paged_kernel(q, k_cache, v_cache, part.block_table, part.query_start_loc,
                                  part.kv_lens, scale, part.max_query_len, kv_scale=kv_scale,
-                                 out=out, lse=lse)
+                                 out=out, lse=lse, plan=part.packed if part.max_query_len <= 1 else None)
 
     def packed_paged_attention(self, q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
         """Out and LSE written straight into the exchange's layout, no cat: a gathered prefix in q's

@@ -41,7 +41,8 @@ class PagedPart:
     max_query_len: int
     query_start_loc_cpu: list[int]
     kv_lens_cpu: list[int]
-    # index work the first layer builds and the others reuse: prefix varlen batch or decode slots
+    # index work the first layer builds and the others reuse: prefix varlen batch, decode slots
+    # (torch) or decode's work items (Triton, plan_decode)
     packed: object | None = None
 
     @property

@@ -158,16 +158,12 @@ def _attend_tile(acc, m_i, l_i, q, n0, kv_end, bt_row, k_ptr, v_ptr, stride_kn, 
 
 
 @triton.jit
-def _attend_split(q, split, kv_len, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, qk_scale,
-                  num_splits, min_split, BLOCK_M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+def _attend_split(q, kv_begin, kv_end, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, qk_scale,
+                  BLOCK_M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   SPLIT_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """The online softmax of q over this split's share of one request's KV (whole tiles):
-    (acc [M, D], m_i [M], l_i [M]) as _attend_tile leaves them (all empty for an empty share).
-    A share is >= min_split tokens: a short request in a batch split for its long one takes few."""
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
-    kv_begin = split * per_split
-    kv_end = tl.minimum(kv_begin + per_split, kv_len)
+    """The online softmax of q over one request's KV tokens [kv_begin, kv_end) (kv_begin a whole
+    tile's): (acc [M, D], m_i [M], l_i [M]) as _attend_tile leaves them (all empty for no tokens)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -189,14 +185,34 @@ def _attend_split(q, split, kv_len, bt_row, k_ptr, v_ptr, stride_kn, stride_kb, 
     return acc, m_i, l_i
 
 
+@triton.jit
+def _find_item(kv_lens_ptr, pid, num_reqs, budget, min_share, ALIGN: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """Decode's work items: request r's KV in n_r = max(1, kv_r // chunk) shares, chunk =
+    max(sum(kv) / budget, min_share); <= num_reqs + budget items, none above ~2 chunks, so one long
+    request beside many short ones no longer holds a step. Item `pid` -> (request, its first item,
+    n_r, share tokens: a multiple of ALIGN), from one vector load of all kv_lens."""
+    r = tl.arange(0, BLOCK_R)
+    kv = tl.load(kv_lens_ptr + r, mask=r < num_reqs, other=0)
+    chunk = tl.maximum(tl.cdiv(tl.sum(kv, axis=0), budget), min_share)
+    n = tl.where(r < num_reqs, tl.maximum(kv // chunk, 1), 0)
+    ends = tl.cumsum(n, axis=0)
+    req = tl.sum((ends <= pid).to(tl.int32), axis=0)
+    mine = r == req
+    n_req = tl.maximum(tl.sum(tl.where(mine, n, 0), axis=0), 1)
+    first = tl.sum(tl.where(mine, ends, 0), axis=0) - n_req
+    share = tl.cdiv(tl.cdiv(tl.sum(tl.where(mine, kv, 0), axis=0), n_req), ALIGN) * ALIGN
+    return req, first, n_req, share
+
+
 # ints that change with a step's batch (request count, split count, the block table's width,
 # the partials' strides) stay unspecialized: one compile per tile config, none while serving
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split", "stride_bt", "stride_os", "stride_ls"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt", "stride_os", "stride_ls"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, kv_lens_ptr,
-    out_ptr, lse_ptr, kv_scale_ptr,
+    out_ptr, lse_ptr, part_ptr, part_lse_ptr, plan_ptr, kv_scale_ptr,
     qk_scale,  # softmax scale * log2(e)
-    num_reqs, num_splits, min_split,
+    num_reqs, num_splits,
     stride_qt, stride_qh,  # q [T, Hq, D]
     stride_kn, stride_kb, stride_kh,  # k/v cache [N, B, Hkv, D]
     stride_bt,  # block table [R, max_blocks]
@@ -207,18 +223,32 @@ def _paged_attn_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, PAD_PER_REQ: tl.constexpr, SPLIT_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    DOT_F16: tl.constexpr, ITEMS: tl.constexpr,
 ):
+    """Grid: (q-tiles, Hkv, splits) with num_splits equal shares of each request's KV; or, ITEMS
+    (one-row decode), (num_reqs + budget, Hkv) work items from the step's plan: a request of one
+    item writes out / lse, the others' items their partials [items, Hq, D] / [items, Hq] at the
+    item's index, for _merge_splits_kernel."""
     pid, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v_scale = 1.0
     if KV_FP8:  # the head's dequantization: K's scale folds into the scores, V's into the output
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kv_head)
         v_scale = tl.load(kv_scale_ptr + stride_sc + kv_head)
 
-    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, PAD_PER_REQ, BLOCK_R)
+    if ITEMS:  # the step's plan (_plan_items_kernel)
+        req = tl.load(plan_ptr + 4 * pid)
+        split = tl.load(plan_ptr + 4 * pid + 1)
+        n_req = tl.load(plan_ptr + 4 * pid + 2)
+        share = tl.load(plan_ptr + 4 * pid + 3)
+        if req >= num_reqs:  # spare program of the upper-bound grid
+            return
+    else:
+        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, PAD_PER_REQ, BLOCK_R)
     q_start = tl.load(qsl_ptr + req)
     q_end = tl.load(qsl_ptr + req + 1)
-    row0 = q_start + (pid - (q_start // BLOCK_Q + req * PAD_PER_REQ)) * BLOCK_Q
+    row0 = q_start  # (decode: a request's one row)
+    if not ITEMS:
+        row0 = q_start + (pid - (q_start // BLOCK_Q + req * PAD_PER_REQ)) * BLOCK_Q
     if row0 >= q_end:  # spare program of the upper-bound grid
         return
 
@@ -233,16 +263,28 @@ def _paged_attn_kernel(
     if DOT_F16:  # every tile's K, P and V follow q's dtype (see FP8_DOT_F16)
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    acc, m_i, l_i = _attend_split(q, split, tl.load(kv_lens_ptr + req),
+    kv_len = tl.load(kv_lens_ptr + req)
+    if not ITEMS:
+        share = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    kv_begin = split * share
+    acc, m_i, l_i = _attend_split(q, kv_begin, tl.minimum(kv_begin + share, kv_len),
                                   block_table_ptr + req.to(tl.int64) * stride_bt,
                                   k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh,
-                                  stride_kn, stride_kb, qk_scale, num_splits, min_split, BLOCK_M, D, PAGE,
+                                  stride_kn, stride_kb, qk_scale, BLOCK_M, D, PAGE,
                                   BLOCK_N, BLOCK_D, SPLIT_TAIL, DOT_PRECISION, DOT_UPCAST)
 
+    splits_here = num_splits
+    if ITEMS:
+        splits_here = 1  # a request of one item: its out, as unsplit
+        if n_req > 1:  # a partial, at the item's row of [items, Hq, D]
+            item = pid.to(tl.int64) * (tl.num_programs(1) * G) + head
+            _write_split(part_ptr + item[:, None] * D + d[None, :], part_lse_ptr + item, acc, m_i, l_i,
+                         v_scale, md_ok, row_ok, 2, BLOCK_M)
+            return
     o_off = (split.to(tl.int64) * stride_os + row.to(tl.int64)[:, None] * stride_ot
              + head[:, None] * stride_oh + d[None, :])
     l_off = split.to(tl.int64) * stride_ls + row.to(tl.int64) * stride_lt + head * stride_lh
-    _write_split(out_ptr + o_off, lse_ptr + l_off, acc, m_i, l_i, v_scale, md_ok, row_ok, num_splits, BLOCK_M)
+    _write_split(out_ptr + o_off, lse_ptr + l_off, acc, m_i, l_i, v_scale, md_ok, row_ok, splits_here, BLOCK_M)
 
 
 @triton.jit
@@ -265,22 +307,11 @@ def _clean(lse):
     return tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
 
 
-@triton.jit(do_not_specialize=["stride_ps", "stride_qs", "num_splits"])  # per step: no variants
-def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    stride_ps, stride_pt, stride_ph,  # part_out [S, T, H, D]
-    stride_qs, stride_qt, stride_qh,  # part_lse [S, T, H]
-    stride_ot, stride_oh, stride_lt, stride_lh,  # out [T, H, D], lse [T, H]
-    num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """A program per (row, head, BLOCK_D of head_dim): the weights from all LSEs, then the partials
-    up to the last non-empty split, CHUNK_S at a time (a short request's empty splits skipped)."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    d0 = tl.program_id(2) * BLOCK_D
-    lse_row = part_lse_ptr + t * stride_qt + h * stride_qh
-    out_row = part_out_ptr + t * stride_pt + h * stride_ph
+@triton.jit
+def _merge_head(lse_row, out_row, o_dst, l_dst, stride_ps, stride_qs, num_splits, d0, D: tl.constexpr,
+                BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row and head: the weights from all LSEs, then the partials up to the last non-empty
+    split, CHUNK_S at a time (a short request's empty splits skipped), into o_dst (and l_dst)."""
     s = tl.arange(0, BLOCK_S).to(tl.int64)
     lse = _clean(tl.load(lse_row + s * stride_qs, mask=s < num_splits, other=float("-inf")))  # [S]
     m = tl.max(lse, axis=0)
@@ -297,11 +328,52 @@ def _merge_splits_kernel(
                     mask=(sc_ok & (w > 0))[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)  # [C, D]
         acc += tl.sum(tl.where(w[:, None] > 0, o * w[:, None], 0.0), axis=0)
     denom_safe = tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / denom_safe).to(out_ptr.dtype.element_ty),
-             mask=d < D)
+    tl.store(o_dst + d, (acc / denom_safe).to(o_dst.dtype.element_ty), mask=d < D)
     if d0 == 0:
-        tl.store(lse_ptr + t * stride_lt + h * stride_lh,
-                 tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
+        tl.store(l_dst, tl.where(denom > 0, m + tl.log(denom_safe), float("-inf")))
+
+
+@triton.jit(do_not_specialize=["stride_ps", "stride_qs", "num_splits"])  # per step: no variants
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, items_ptr, qsl_ptr,
+    stride_ps, stride_pt, stride_ph,  # part_out [S, T, H, D]
+    stride_qs, stride_qt, stride_qh,  # part_lse [S, T, H]
+    stride_ot, stride_oh, stride_lt, stride_lh,  # out [T, H, D], lse [T, H]
+    num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, ITEMS: tl.constexpr,
+):
+    """A program per (row, head, BLOCK_D of head_dim). ITEMS: a program per (request, ...): its n
+    items from its first, as [items, 1, H, D] partials (the strides of S and T alike), into its
+    row; a request of one item wrote its row already."""
+    t = tl.program_id(0).to(tl.int64)
+    d0 = tl.program_id(2) * BLOCK_D
+    first = t
+    if ITEMS:
+        row = tl.load(qsl_ptr + t)
+        num_splits = tl.load(items_ptr + 2 * t + 1)
+        if (num_splits == 1) | (row >= tl.load(qsl_ptr + t + 1)):
+            return
+        first = tl.load(items_ptr + 2 * t).to(tl.int64)
+        t = row.to(tl.int64)
+    h = tl.program_id(1)
+    _merge_head(part_lse_ptr + first * stride_qt + h * stride_qh, part_out_ptr + first * stride_pt + h * stride_ph,
+                out_ptr + t * stride_ot + h * stride_oh, lse_ptr + t * stride_lt + h * stride_lh,
+                stride_ps, stride_qs, num_splits, d0, D, BLOCK_S, CHUNK_S, BLOCK_D)
+
+
+@triton.jit
+def _plan_items_kernel(kv_lens_ptr, plan_ptr, items_ptr, num_reqs, budget, min_share,
+                       ALIGN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Once a step: item `pid`'s (request, split, n, share) into plan [R + budget, 4], each
+    request's (first item, n) into items [R, 2] (the merge's)."""
+    pid = tl.program_id(0)
+    req, first, n, share = _find_item(kv_lens_ptr, pid, num_reqs, budget, min_share, ALIGN, BLOCK_R)
+    i = tl.arange(0, 4)
+    tl.store(plan_ptr + 4 * pid + i,
+             tl.where(i == 0, req, tl.where(i == 1, pid - first, tl.where(i == 2, n, share))))
+    if (pid == first) & (req < num_reqs):
+        j = tl.arange(0, 2)
+        tl.store(items_ptr + 2 * req + j, tl.where(j == 0, first, n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,31 +383,42 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# A step waits for its slowest program: a long request's shares <= LONG_SPLIT, short ones' >= MIN_SPLIT
-LONG_SPLIT, MIN_SPLIT = 2048, 256
+MIN_SHARE = 256  # decode: a work item's fewest KV tokens
 SPLIT_BUFFER_BYTES = 64 << 20  # the float32 partials [splits, T, Hq, D] of a call, at most
 
 
-def _default_num_kv_splits(num_programs: int, max_context: int, device: torch.device,
-                           split_bytes: int = 0, long_split: int = 0) -> int:
-    """Splits for ~4 programs per SM or for shares of <= long_split tokens of the longest request the
-    table holds; >= 256 tokens a split, <= 256, <= SPLIT_BUFFER_BYTES (split_bytes each); shapes only."""
-    want = max(1, 4 * _num_sms(device) // max(num_programs, 1))  # 512 programs on 132 SMs: 1
-    if long_split:
-        want = max(want, triton.next_power_of_2(triton.cdiv(max_context, long_split)))
-    cap = SPLIT_BUFFER_BYTES // split_bytes if split_bytes else 256
-    splits = max(1, min(want, triton.cdiv(max_context, 256), 256, cap))
-    return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants
-
-
-def _auto_splits(T: int, R: int, Hq: int, Hkv: int, D: int, BLOCK_Q: int, max_context: int,
+def _auto_splits(T: int, Hq: int, Hkv: int, D: int, BLOCK_Q: int, max_context: int,
                  device: torch.device) -> int:
-    """A decode batch of several requests whose programs leave room for a second wave also splits
-    for its longest (shares <= LONG_SPLIT); one that fills the GPU does not (docs/benchmarks.md)."""
+    """A prefix part's KV splits: for ~4 programs an SM; >= 256 tokens a split, <= 256, partials
+    within SPLIT_BUFFER_BYTES; a power of two (few variants); shapes only."""
     busy = triton.cdiv(T, BLOCK_Q) * Hkv  # programs that do work when requests fill T
-    few = 4 * _num_sms(device) // busy > 1  # room for a second wave of programs
-    long_split = LONG_SPLIT if BLOCK_Q == 1 and few and R > 1 else 0
-    return _default_num_kv_splits(busy, max_context, device, T * Hq * (D + 1) * 4, long_split)
+    want = max(1, 4 * _num_sms(device) // busy)  # 512 programs on 132 SMs: 1
+    cap = SPLIT_BUFFER_BYTES // (T * Hq * (D + 1) * 4)
+    splits = max(1, min(want, triton.cdiv(max_context, 256), 256, cap))
+    return 1 << (splits.bit_length() - 1)
+
+
+def _decode_budget(R: int, Hq: int, Hkv: int, D: int, device: torch.device) -> int:
+    """Decode's work items past one a request (_find_item): ~4 programs an SM, or R (shares near the
+    mean context), partials within SPLIT_BUFFER_BYTES; shapes only."""
+    want = max(4 * _num_sms(device) // Hkv, R)
+    return max(1, min(want, SPLIT_BUFFER_BYTES // (Hq * (D + 1) * 4) - R))
+
+
+SHARE_ALIGN = 128  # a decode share's tokens: whole tiles of every decode tile (BLOCK_N <= 128)
+
+
+def plan_decode(kv_lens: torch.Tensor, Hq: int, Hkv: int, D: int, budget: int | None = None):
+    """Decode's work items, once a step (the backend keeps them for every layer): (budget, plan
+    [R + budget, 4], items [R, 2]) int32, from _plan_items_kernel; budget None: from shapes."""
+    R, dev = kv_lens.shape[0], kv_lens.device
+    budget = budget or _decode_budget(R, Hq, Hkv, D, dev)
+    buf = torch.empty(4 * (R + budget) + 2 * R, dtype=torch.int32, device=dev)
+    plan, items = buf[:4 * (R + budget)].view(R + budget, 4), buf[4 * (R + budget):].view(R, 2)
+    _plan_items_kernel[(R + budget,)](kv_lens, plan, items, R, budget, MIN_SHARE,
+                                      ALIGN=SHARE_ALIGN if dev.type == "cuda" else 16,
+                                      BLOCK_R=_request_bucket(R))
+    return budget, plan, items
 
 
 def _request_bucket(num_reqs: int) -> int:
@@ -389,22 +472,31 @@ def _split_buffers(out: torch.Tensor, lse: torch.Tensor, num_kv_splits: int):
     return o_buf, l_buf, o_buf.stride()[:3], l_buf.stride()
 
 
-def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False) -> None:
+def _item_buffers(R: int, budget: int, Hq: int, D: int, device: torch.device):
+    """Decode's float32 partials [R + budget, 1, Hq, D] / [R + budget, 1, Hq], an item's at its index."""
+    n = R + budget
+    buf = torch.empty(n * Hq * (D + 1), dtype=torch.float32, device=device)
+    return buf[:n * Hq * D].view(n, 1, Hq, D), buf[n * Hq * D:].view(n, 1, Hq)
+
+
+def _merge_kv_splits(o_buf, l_buf, out, lse, cp_ranks: bool = False, items=None, qsl=None) -> None:
     """LSE-merge the partials into out [T, Hq, D], lse [T, Hq]: one variant up to 256 splits (a
-    whole head a program, or 32 of head_dim when rows are few) or per CP size (2-16 ranks')."""
+    whole head a program, or 32 of head_dim when rows are few) or per CP size (2-16 ranks').
+    items, qsl: decode's work items (plan_decode), a program per request (and head, ...)."""
     num_kv_splits, T, Hq, D = o_buf.shape
-    few = triton.next_power_of_2(max(num_kv_splits, 2))
+    rows = T if items is None else items.shape[0]
+    few = triton.next_power_of_2(max(num_kv_splits - (0 if items is None else rows), 2))  # items: budget
     block_s, chunk_s, block_d = max(256, few), 16, triton.next_power_of_2(D)
     if cp_ranks:
         block_s, chunk_s = few, few
-    elif T * Hq < 2 * _num_sms(o_buf.device):  # one request at 128K: 256 splits over 8 heads
+    elif rows * Hq < 2 * _num_sms(o_buf.device):  # one request at 128K: 256 splits over 8 heads
         chunk_s, block_d = 64, min(32, block_d)
-    _merge_splits_kernel[(T, Hq, triton.cdiv(D, block_d))](
-        o_buf, l_buf, out, lse,
+    _merge_splits_kernel[(rows, Hq, triton.cdiv(D, block_d))](
+        o_buf, l_buf, out, lse, items, qsl,
         *o_buf.stride()[:3], *l_buf.stride(),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_kv_splits, D=D, BLOCK_S=block_s, CHUNK_S=chunk_s, BLOCK_D=block_d,
-        num_warps=2 if cp_ranks else 4,
+        ITEMS=items is not None, num_warps=2 if cp_ranks else 4,
     )
 
 
@@ -424,15 +516,16 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_table: torch.Tensor, query_start_loc: torch.Tensor,
                         kv_lens: torch.Tensor, scale: float, max_query_len: int,
                         num_kv_splits: int | None = None, kv_scale: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None,
-                        lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                        plan: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of each request's query rows over its first kv_lens[r] cached tokens.
 
     q [T, Hq, D]; k_cache/v_cache [N, B, Hkv, D]; block_table [R, max_blocks], query_start_loc
     [R + 1], kv_lens [R] int32; kv_scale [2, Hkv] float32 (FP8 cache) or None. Returns out [T, Hq,
     D] (q's dtype, or the given `out`) and lse [T, Hq] float32, natural log (or the given `lse`; any
     strides, last dim contiguous); rows outside query_start_loc[0]:query_start_loc[R] unwritten.
-    max_query_len (>= the longest request's rows) and num_kv_splits only pick the tiling."""
+    max_query_len (>= the longest request's rows) picks the tiling; num_kv_splits: a prefix's KV splits,
+    decode's work-item budget (_find_item), None: from shapes; plan: decode's (plan_decode), else built."""
     T, Hq, D = q.shape
     _, B, Hkv, Dk = k_cache.shape
     R = kv_lens.shape[0]
@@ -447,31 +540,36 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     on_gpu = q.device.type == "cuda"
     BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages = _attn_tiles(
         G, D, T, Hkv, max_query_len, q.device)
-    # request r owns q-tile programs [qsl[r] // BLOCK_Q + r * pad, ...): see _find_request
-    pad = 0 if BLOCK_Q == 1 else 1
-    num_q_tiles = T // BLOCK_Q + R * pad
-    if num_kv_splits is None:
-        num_kv_splits = _auto_splits(T, R, Hq, Hkv, D, BLOCK_Q, block_table.shape[1] * B, q.device)
-
-    if on_gpu and BLOCK_Q == 1 and num_kv_splits > 1:  # long-context decode
-        BLOCK_N, num_warps, num_stages = (SPLIT_DECODE_FP8 if kv_scale is not None else
-                                          SPLIT_DECODE_WIDE if BLOCK_M >= 32 else SPLIT_DECODE)
-    o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
-    _paged_attn_kernel[(num_q_tiles, Hkv, num_kv_splits)](
-        q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, kv_scale,
-        scale * LOG2E, R, num_kv_splits, MIN_SPLIT if BLOCK_Q == 1 else 0,
+    items = part = part_lse = None
+    if BLOCK_Q == 1:  # decode: work items (plan_decode), num_kv_splits their budget
+        num_kv_splits, plan, items = plan or plan_decode(kv_lens, Hq, Hkv, D, num_kv_splits)
+        grid = (R + num_kv_splits, Hkv, 1)
+        part, part_lse = _item_buffers(R, num_kv_splits, Hq, D, q.device)
+        o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, 1)
+        if on_gpu and R * Hkv < 4 * _num_sms(q.device):  # long requests' shares: split decode's tiles
+            BLOCK_N, num_warps, num_stages = (SPLIT_DECODE_FP8 if kv_scale is not None else
+                                              SPLIT_DECODE_WIDE if BLOCK_M >= 32 else SPLIT_DECODE)
+    else:  # request r owns q-tile programs [qsl[r] // BLOCK_Q + r, ...): see _find_request
+        num_kv_splits = num_kv_splits or _auto_splits(T, Hq, Hkv, D, BLOCK_Q, block_table.shape[1] * B, q.device)
+        grid = (T // BLOCK_Q + R, Hkv, num_kv_splits)
+        o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, part, part_lse,
+        plan, kv_scale, scale * LOG2E, R, num_kv_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         *o_strides, *l_strides, 0 if kv_scale is None else kv_scale.stride(0),
         G=G, D=D, PAGE=B, BLOCK_Q=BLOCK_Q, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_R=_request_bucket(R), PAD_PER_REQ=pad, SPLIT_TAIL=BLOCK_Q > 1,
+        BLOCK_R=_request_bucket(R), PAD_PER_REQ=int(BLOCK_Q > 1), SPLIT_TAIL=BLOCK_Q > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or not on_gpu else "tf32",
         DOT_UPCAST=not on_gpu or os.environ.get("TRITON_INTERPRET") == "1",
         KV_FP8=kv_scale is not None, num_warps=num_warps, num_stages=num_stages,
-        DOT_F16=FP8_DOT_F16 and kv_scale is not None and q.dtype == torch.bfloat16,
+        DOT_F16=FP8_DOT_F16 and kv_scale is not None and q.dtype == torch.bfloat16, ITEMS=BLOCK_Q == 1,
     )
-    if num_kv_splits > 1:
+    if items is not None:
+        _merge_kv_splits(part, part_lse, out, lse, items=items, qsl=query_start_loc)
+    elif num_kv_splits > 1:
         _merge_kv_splits(o_buf, l_buf, out, lse)
     return out, lse
 
@@ -480,7 +578,7 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
                                kv_scale: torch.Tensor | None, dtype: torch.dtype,
                                max_tokens: int, max_seqs: int) -> int:
     """Run the paged kernel once per tile variant a step can pick (query-length buckets 1..128, few
-    and many programs, one KV split and several, float32 partials), and the two merges of prefill,
+    and many programs, one KV split and several for prefixes), and the two merges of prefill,
     so none compiles while serving. Reads block 0 of the cache; returns the variants run."""
     _, B, Hkv, D = k_cache.shape
     dev, seen, calls = k_cache.device, set(), []
@@ -489,10 +587,10 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
         for R in sorted({1, min(max_tokens // mql, max_seqs)} - {0}):  # requests of mql rows
             T = R * mql
             tiles = _attn_tiles(num_heads // Hkv, D, T, Hkv, mql, dev)
-            for splits in (1, 2):
-                key = (tiles, splits, _request_bucket(R))  # (R = 1 and a full batch can share
-                if key in seen:  # tiles, not BLOCK_R: a tp=2 batch of 512 compiled one)
-                    continue
+            for splits in ((None,) if mql == 1 else (1, 2)):  # decode: split tiles when R * Hkv is few
+                key = (tiles, splits, _request_bucket(R), mql == 1 and R * Hkv < 4 * _num_sms(dev))
+                if key in seen:  # (R = 1 and a full batch can share tiles, not BLOCK_R: a
+                    continue  # tp=2 batch of 512 compiled one)
                 seen.add(key)
                 calls.append(functools.partial(
                     paged_attention_lse, torch.zeros(T, num_heads, D, dtype=dtype, device=dev),

@@ -40,15 +40,14 @@ class DecodeGraphs:
             qsl=torch.arange(max_bs + 1, **i32), table=torch.zeros(max_bs, table_width, **i32))
         dp = self.ps.dp.world_size > 1  # expert layers: the graph of bs pads every DP rank to bs
         for bs in reversed(sizes):
-            meta = self._meta(bs)
-            args = (self.static["input_ids"][:bs], self.static["positions"][:bs], meta, False,
-                    bs if dp else None)
-            self.model(*args)  # warm up (Triton compile, cuBLAS handles) outside the capture
-            torch.cuda.synchronize(dev)
+            ids, pos = self.static["input_ids"][:bs], self.static["positions"][:bs]
+            self.model(ids, pos, self._meta(bs), False, bs if dp else None)  # warm up (Triton
+            torch.cuda.synchronize(dev)  # compile, cuBLAS handles) outside the capture
             graph = torch.cuda.CUDAGraph()
+            meta = self._meta(bs)  # fresh: the step's first layer plans decode inside the graph
             # thread_local: a KV connector's thread may build an NCCL pair group meanwhile
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                hidden = self.model(*args)
+                hidden = self.model(ids, pos, meta, False, bs if dp else None)
             self.graphs[bs] = (graph, hidden, meta)
         torch.cuda.synchronize(dev)
 
