@@ -226,10 +226,12 @@ def _paged_attn_kernel(
     DOT_F16: tl.constexpr, ITEMS: tl.constexpr,
 ):
     """Grid: (q-tiles, Hkv, splits) with num_splits equal shares of each request's KV; or, ITEMS
-    (one-row decode), (num_reqs + budget, Hkv) work items from the step's plan: a request of one
+    (one-row decode), (Hkv, num_reqs + budget) work items from the step's plan: a request of one
     item writes out / lse, the others' items their partials [items, Hq, D] / [items, Hq] at the
     item's index, for _merge_splits_kernel."""
     pid, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if ITEMS:  # heads fastest: the spare programs run last (measured: the grid's order costs ~7%)
+        pid, kv_head = tl.program_id(1), tl.program_id(0)
     v_scale = 1.0
     if KV_FP8:  # the head's dequantization: K's scale folds into the scores, V's into the output
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kv_head)
@@ -277,7 +279,7 @@ def _paged_attn_kernel(
     if ITEMS:
         splits_here = 1  # a request of one item: its out, as unsplit
         if n_req > 1:  # a partial, at the item's row of [items, Hq, D]
-            item = pid.to(tl.int64) * (tl.num_programs(1) * G) + head
+            item = pid.to(tl.int64) * (tl.num_programs(0) * G) + head
             _write_split(part_ptr + item[:, None] * D + d[None, :], part_lse_ptr + item, acc, m_i, l_i,
                          v_scale, md_ok, row_ok, 2, BLOCK_M)
             return
@@ -543,7 +545,7 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     items = part = part_lse = None
     if BLOCK_Q == 1:  # decode: work items (plan_decode), num_kv_splits their budget
         num_kv_splits, plan, items = plan or plan_decode(kv_lens, Hq, Hkv, D, num_kv_splits)
-        grid = (R + num_kv_splits, Hkv, 1)
+        grid = (Hkv, R + num_kv_splits, 1)
         part, part_lse = _item_buffers(R, num_kv_splits, Hq, D, q.device)
         o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, 1)
         if on_gpu and R * Hkv < 4 * _num_sms(q.device):  # long requests' shares: split decode's tiles
