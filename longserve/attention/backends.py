@@ -247,11 +247,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
         """out / lse (with packed_paged_attention): where the Triton kernel writes."""
         if _dense_prefix(q, part) and out is None:
             return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
-        if part.max_query_len <= 1 and part.packed is None:  # decode's work items: once a step
-            part.packed = self.plan_decode(part.kv_lens, q.shape[1], k_cache.shape[2], q.shape[2])
+        plan = None
+        if part.max_query_len <= 1:  # decode's work items: planned by the step's first layer
+            plan = part.packed = part.packed or self.plan_decode(part.kv_lens, q.shape[1], k_cache.shape[2],
+                                                                 q.shape[2])
         return self.paged_kernel(q, k_cache, v_cache, part.block_table, part.query_start_loc,
                                  part.kv_lens, scale, part.max_query_len, kv_scale=kv_scale,
-                                 out=out, lse=lse, plan=part.packed if part.max_query_len <= 1 else None)
+                                 out=out, lse=lse, plan=plan)
 
     def packed_paged_attention(self, q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
         """Out and LSE written straight into the exchange's layout, no cat: a gathered prefix in q's

@@ -225,10 +225,9 @@ def _paged_attn_kernel(
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr, ITEMS: tl.constexpr,
 ):
-    """Grid: (q-tiles, Hkv, splits) with num_splits equal shares of each request's KV; or, ITEMS
-    (one-row decode), (Hkv, num_reqs + budget) work items from the step's plan: a request of one
-    item writes out / lse, the others' items their partials [items, Hq, D] / [items, Hq] at the
-    item's index, for _merge_splits_kernel."""
+    """Grid: (q-tiles, Hkv, splits), num_splits equal shares of each request's KV; or, ITEMS (decode),
+    (Hkv, num_reqs + budget) items of the step's plan: a request of one item writes out / lse, the
+    others' items partials [items, Hq, D] / [items, Hq] at the item's index (_merge_splits_kernel)."""
     pid, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ITEMS:  # heads fastest: the spare programs run last (measured: the grid's order costs ~7%)
         pid, kv_head = tl.program_id(1), tl.program_id(0)
@@ -237,23 +236,64 @@ def _paged_attn_kernel(
         qk_scale = qk_scale * tl.load(kv_scale_ptr + kv_head)
         v_scale = tl.load(kv_scale_ptr + stride_sc + kv_head)
 
+    shares = num_splits  # of this program's request
     if ITEMS:  # the step's plan (_plan_items_kernel)
-        req = tl.load(plan_ptr + 4 * pid)
-        split = tl.load(plan_ptr + 4 * pid + 1)
-        n_req = tl.load(plan_ptr + 4 * pid + 2)
-        share = tl.load(plan_ptr + 4 * pid + 3)
+        req, split, shares, share = _plan_entry(plan_ptr, pid)
         if req >= num_reqs:  # spare program of the upper-bound grid
             return
+        row0 = tl.load(qsl_ptr + req)  # (decode: a request's one row)
     else:
-        req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, PAD_PER_REQ, BLOCK_R)
-    q_start = tl.load(qsl_ptr + req)
+        req, row0, share = _tile_rows(qsl_ptr, kv_lens_ptr, pid, num_reqs, num_splits, BLOCK_Q, BLOCK_N,
+                                      PAD_PER_REQ, BLOCK_R)
     q_end = tl.load(qsl_ptr + req + 1)
-    row0 = q_start  # (decode: a request's one row)
-    if not ITEMS:
-        row0 = q_start + (pid - (q_start // BLOCK_Q + req * PAD_PER_REQ)) * BLOCK_Q
     if row0 >= q_end:  # spare program of the upper-bound grid
         return
+    q, row, head, d, md_ok, row_ok = _load_q(q_ptr, row0, q_end, kv_head, stride_qt, stride_qh, G, D,
+                                             BLOCK_Q, BLOCK_M, BLOCK_D, DOT_F16)
 
+    kv_len = tl.load(kv_lens_ptr + req)
+    kv_begin = split * share
+    acc, m_i, l_i = _attend_split(q, kv_begin, tl.minimum(kv_begin + share, kv_len),
+                                  block_table_ptr + req.to(tl.int64) * stride_bt,
+                                  k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh,
+                                  stride_kn, stride_kb, qk_scale, BLOCK_M, D, PAGE,
+                                  BLOCK_N, BLOCK_D, SPLIT_TAIL, DOT_PRECISION, DOT_UPCAST)
+
+    if ITEMS:
+        if shares > 1:  # a partial, at the item's row of [items, Hq, D] (one item: its out)
+            item = pid.to(tl.int64) * (tl.num_programs(0) * G) + head
+            _write_split(part_ptr + item[:, None] * D + d[None, :], part_lse_ptr + item, acc, m_i, l_i,
+                         v_scale, md_ok, row_ok, shares, BLOCK_M)
+            return
+    o_off = (split.to(tl.int64) * stride_os + row.to(tl.int64)[:, None] * stride_ot
+             + head[:, None] * stride_oh + d[None, :])
+    l_off = split.to(tl.int64) * stride_ls + row.to(tl.int64) * stride_lt + head * stride_lh
+    _write_split(out_ptr + o_off, lse_ptr + l_off, acc, m_i, l_i, v_scale, md_ok, row_ok, shares, BLOCK_M)
+
+
+@triton.jit
+def _tile_rows(qsl_ptr, kv_lens_ptr, pid, num_reqs, num_splits, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+               PAD_PER_REQ: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A q-tile program's request (_find_request), its first query row, and the tokens of one of
+    num_splits equal shares of the request's KV (whole tiles)."""
+    req = _find_request(qsl_ptr, pid, num_reqs, BLOCK_Q, PAD_PER_REQ, BLOCK_R)
+    q_start = tl.load(qsl_ptr + req)
+    share = tl.cdiv(tl.cdiv(tl.load(kv_lens_ptr + req), num_splits), BLOCK_N) * BLOCK_N
+    return req, q_start + (pid - (q_start // BLOCK_Q + req * PAD_PER_REQ)) * BLOCK_Q, share
+
+
+@triton.jit
+def _plan_entry(plan_ptr, pid):
+    """Item pid's (request, split, its request's items, share tokens) from plan [items, 4]."""
+    return (tl.load(plan_ptr + 4 * pid), tl.load(plan_ptr + 4 * pid + 1), tl.load(plan_ptr + 4 * pid + 2),
+            tl.load(plan_ptr + 4 * pid + 3))
+
+
+@triton.jit
+def _load_q(q_ptr, row0, q_end, kv_head, stride_qt, stride_qh, G: tl.constexpr, D: tl.constexpr,
+            BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F16: tl.constexpr):
+    """The program's queries: BLOCK_Q rows from row0 x the KV head's G heads on M; q [M, D], row,
+    head [M], d [D], and the masks md_ok [M, D], row_ok [M]."""
     m = tl.arange(0, BLOCK_M)
     row = row0 + m // G  # [M]
     head = kv_head * G + m % G  # [M]
@@ -264,29 +304,7 @@ def _paged_attn_kernel(
                 mask=md_ok, other=0.0)  # [M, D]
     if DOT_F16:  # every tile's K, P and V follow q's dtype (see FP8_DOT_F16)
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-
-    kv_len = tl.load(kv_lens_ptr + req)
-    if not ITEMS:
-        share = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_begin = split * share
-    acc, m_i, l_i = _attend_split(q, kv_begin, tl.minimum(kv_begin + share, kv_len),
-                                  block_table_ptr + req.to(tl.int64) * stride_bt,
-                                  k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh,
-                                  stride_kn, stride_kb, qk_scale, BLOCK_M, D, PAGE,
-                                  BLOCK_N, BLOCK_D, SPLIT_TAIL, DOT_PRECISION, DOT_UPCAST)
-
-    splits_here = num_splits
-    if ITEMS:
-        splits_here = 1  # a request of one item: its out, as unsplit
-        if n_req > 1:  # a partial, at the item's row of [items, Hq, D]
-            item = pid.to(tl.int64) * (tl.num_programs(0) * G) + head
-            _write_split(part_ptr + item[:, None] * D + d[None, :], part_lse_ptr + item, acc, m_i, l_i,
-                         v_scale, md_ok, row_ok, 2, BLOCK_M)
-            return
-    o_off = (split.to(tl.int64) * stride_os + row.to(tl.int64)[:, None] * stride_ot
-             + head[:, None] * stride_oh + d[None, :])
-    l_off = split.to(tl.int64) * stride_ls + row.to(tl.int64) * stride_lt + head * stride_lh
-    _write_split(out_ptr + o_off, lse_ptr + l_off, acc, m_i, l_i, v_scale, md_ok, row_ok, splits_here, BLOCK_M)
+    return q, row, head, d, md_ok, row_ok
 
 
 @triton.jit
@@ -429,7 +447,8 @@ def _request_bucket(num_reqs: int) -> int:
     return max(256, triton.next_power_of_2(num_reqs))
 
 
-def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: torch.device):
+def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: torch.device,
+                fp8: bool = False):
     """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) from shapes; tuned: bf16, D = 128."""
     BLOCK_D = max(16, triton.next_power_of_2(D))
     on_gpu = device.type == "cuda"
@@ -445,6 +464,9 @@ def _attn_tiles(G: int, D: int, T: int, Hkv: int, max_query_len: int, device: to
     BLOCK_M = max(16, triton.next_power_of_2(BLOCK_Q * G))
     if not on_gpu:
         return BLOCK_Q, BLOCK_M, 16, BLOCK_D, 4, 1
+    if BLOCK_Q == 1 and T * Hkv < 4 * _num_sms(device):  # decode, few programs: long requests' shares
+        n, warps, stages = SPLIT_DECODE_FP8 if fp8 else SPLIT_DECODE_WIDE if BLOCK_M >= 32 else SPLIT_DECODE
+        return BLOCK_Q, BLOCK_M, n, BLOCK_D, warps, stages
     if BLOCK_M >= 128:  # compute-bound prefix tiles
         return BLOCK_Q, BLOCK_M, 32, BLOCK_D, 8, 3
     if BLOCK_Q == 1:  # decode: memory-bound, deep pipeline (2 warps: best of a sweep)
@@ -541,16 +563,13 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     on_gpu = q.device.type == "cuda"
     BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages = _attn_tiles(
-        G, D, T, Hkv, max_query_len, q.device)
+        G, D, T, Hkv, max_query_len, q.device, kv_scale is not None)
     items = part = part_lse = None
     if BLOCK_Q == 1:  # decode: work items (plan_decode), num_kv_splits their budget
         num_kv_splits, plan, items = plan or plan_decode(kv_lens, Hq, Hkv, D, num_kv_splits)
         grid = (Hkv, R + num_kv_splits, 1)
         part, part_lse = _item_buffers(R, num_kv_splits, Hq, D, q.device)
         o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, 1)
-        if on_gpu and R * Hkv < 4 * _num_sms(q.device):  # long requests' shares: split decode's tiles
-            BLOCK_N, num_warps, num_stages = (SPLIT_DECODE_FP8 if kv_scale is not None else
-                                              SPLIT_DECODE_WIDE if BLOCK_M >= 32 else SPLIT_DECODE)
     else:  # request r owns q-tile programs [qsl[r] // BLOCK_Q + r, ...): see _find_request
         num_kv_splits = num_kv_splits or _auto_splits(T, Hq, Hkv, D, BLOCK_Q, block_table.shape[1] * B, q.device)
         grid = (T // BLOCK_Q + R, Hkv, num_kv_splits)
@@ -588,11 +607,11 @@ def compile_attention_variants(num_heads: int, k_cache: torch.Tensor, v_cache: t
     for mql in [1 << i for i in range(8)]:
         for R in sorted({1, min(max_tokens // mql, max_seqs)} - {0}):  # requests of mql rows
             T = R * mql
-            tiles = _attn_tiles(num_heads // Hkv, D, T, Hkv, mql, dev)
-            for splits in ((None,) if mql == 1 else (1, 2)):  # decode: split tiles when R * Hkv is few
-                key = (tiles, splits, _request_bucket(R), mql == 1 and R * Hkv < 4 * _num_sms(dev))
-                if key in seen:  # (R = 1 and a full batch can share tiles, not BLOCK_R: a
-                    continue  # tp=2 batch of 512 compiled one)
+            tiles = _attn_tiles(num_heads // Hkv, D, T, Hkv, mql, dev, kv_scale is not None)
+            for splits in ((None,) if mql == 1 else (1, 2)):  # (decode: its plan's budget)
+                key = (tiles, splits, _request_bucket(R))  # (R = 1 and a full batch can share
+                if key in seen:  # tiles, not BLOCK_R: a tp=2 batch of 512 compiled one)
+                    continue
                 seen.add(key)
                 calls.append(functools.partial(
                     paged_attention_lse, torch.zeros(T, num_heads, D, dtype=dtype, device=dev),
