@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from interpreter_utils import speed_up_interpreter
+
+speed_up_interpreter()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -136,8 +139,8 @@ def test_fused_ops_under_interpreter():
         check_all("cpu")
         return
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", "import tests.test_fused_ops as t; t.check_all('cpu')"],
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", "import test_fused_ops as t; t.check_all('cpu')"],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from hf_models import VOCAB, make_hf_model
+from interpreter_utils import speed_up_interpreter
 from longserve import LLM
 from longserve.models.moe import FusedMoE, grouped_linear, local_experts, select_experts
 from test_hf_parity import check_against_hf, prompts
+
+speed_up_interpreter()
 
 ARCHS = ["qwen3_moe", "mixtral"]
 

@@ -10,7 +10,10 @@ import sys
 import pytest
 import torch
 
+from interpreter_utils import speed_up_interpreter
 from longserve import LLM, SamplingParams
+
+speed_up_interpreter()  # (the script run and its workers: TRITON_INTERPRET=1)
 
 # pcp=2: the decode kernel writes the CP exchange's packed layout; prefix rows are split
 LAYOUTS = ({}, {"max_num_batched_tokens": 16, "block_size": 16},

@@ -24,7 +24,10 @@ import triton
 import triton.language as tl
 from hypothesis import given, settings, strategies as st
 
+from interpreter_utils import speed_up_interpreter
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+speed_up_interpreter()
 HAS_CUDA = torch.cuda.is_available() and not INTERPRET
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -391,44 +394,35 @@ def test_the_warm_up_runs_every_request_bucket_with_and_without_splits(monkeypat
     assert {(False, 256, torch.bfloat16, True), (False, 512, torch.bfloat16, True)} <= seen
 
 
-_tk = None  # the kernel module, for _find_item_probe's global lookup (set before its launch)
-
-
-@triton.jit
-def _find_item_probe(kv_lens_ptr, out_ptr, num_reqs, budget, min_share, ALIGN: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
-    pid = tl.program_id(0)
-    req, first, n, share = _tk._find_item(kv_lens_ptr, pid, num_reqs, budget, min_share, ALIGN, BLOCK_R)
-    i = tl.arange(0, 4)
-    tl.store(out_ptr + 4 * pid + i, tl.where(i == 0, req, tl.where(i == 1, first, tl.where(i == 2, n, share))))
-
-
 def check_decode_items(device="cpu", examples=15):
-    """Decode's work items (_find_item), for all batches: each request's n >= 1 consecutive items
-    have one share (whole tiles) and cover its KV; <= R + budget items in all; no share past two
-    chunks and a tile, chunk = max(sum / budget, min_share): a long request beside short ones is cut."""
-    global _tk
-    _tk = _kernels()
+    """Decode's work items (_plan_items_kernel), for all batches: each request's n >= 1 consecutive
+    items have one share (whole tiles) and cover its KV; <= R + budget items in all; no share past
+    two chunks and a tile, chunk = max(sum / budget, min_share): a long request beside short ones is
+    cut; items [R, 2] holds each request's (first item, n). Several programs when BLOCK_I is small."""
+    tk = _kernels()
 
     @settings(max_examples=examples, deadline=None, database=None)
     @given(kv=st.lists(st.integers(0, 40000), min_size=1, max_size=12), budget=st.integers(1, 64),
-           min_share=st.integers(1, 512))
-    def rule(kv, budget, min_share):
+           min_share=st.integers(1, 512), block_i=st.sampled_from([4, 32]))
+    def rule(kv, budget, min_share, block_i):
         R, tile = len(kv), 16
-        out = torch.full((R + budget, 4), -7, dtype=torch.int32, device=device)
-        _find_item_probe[(R + budget,)](torch.tensor(kv, dtype=torch.int32, device=device), out, R,
-                                        budget, min_share, ALIGN=tile, BLOCK_R=16)
+        plan = torch.full((R + budget, 4), -7, dtype=torch.int32, device=device)
+        heads = torch.full((R, 2), -7, dtype=torch.int32, device=device)
+        tk._plan_items_kernel[(triton.cdiv(R + budget, block_i),)](
+            torch.tensor(kv, dtype=torch.int32, device=device), plan, heads, R, budget, min_share,
+            ALIGN=tile, BLOCK_R=16, BLOCK_I=block_i)
         items = {}
-        for pid, (req, first, n, share) in enumerate(out.cpu().tolist()):
+        for pid, (req, split, n, share) in enumerate(plan.cpu().tolist()):
             if req < R:  # (else a spare program: it returns)
-                assert first <= pid < first + n
-                items.setdefault(req, set()).add((pid, first, n, share))
+                assert 0 <= split < n
+                items.setdefault(req, set()).add((pid, pid - split, n, share))
         assert sorted(items) == list(range(R)) and sum(len(v) for v in items.values()) <= R + budget
         chunk = max(-(-sum(kv) // budget), min_share)
         for req, mine in items.items():
             first, n, share = min(mine)[1:]
             assert len(mine) == n and {m[1:] for m in mine} == {(first, n, share)}
             assert share % tile == 0 and n * share >= kv[req] and share < 2 * chunk + tile
+            assert heads[req].tolist() == [first, n]
         if max(kv) >= 4 * chunk:
             assert len(items[kv.index(max(kv))]) >= 4
     rule()

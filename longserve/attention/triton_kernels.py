@@ -185,26 +185,6 @@ def _attend_split(q, kv_begin, kv_end, bt_row, k_ptr, v_ptr, stride_kn, stride_k
     return acc, m_i, l_i
 
 
-@triton.jit
-def _find_item(kv_lens_ptr, pid, num_reqs, budget, min_share, ALIGN: tl.constexpr,
-               BLOCK_R: tl.constexpr):
-    """Decode's work items: request r's KV in n_r = max(1, kv_r // chunk) shares, chunk =
-    max(sum(kv) / budget, min_share); <= num_reqs + budget items, none above ~2 chunks, so one long
-    request beside many short ones no longer holds a step. Item `pid` -> (request, its first item,
-    n_r, share tokens: a multiple of ALIGN), from one vector load of all kv_lens."""
-    r = tl.arange(0, BLOCK_R)
-    kv = tl.load(kv_lens_ptr + r, mask=r < num_reqs, other=0)
-    chunk = tl.maximum(tl.cdiv(tl.sum(kv, axis=0), budget), min_share)
-    n = tl.where(r < num_reqs, tl.maximum(kv // chunk, 1), 0)
-    ends = tl.cumsum(n, axis=0)
-    req = tl.sum((ends <= pid).to(tl.int32), axis=0)
-    mine = r == req
-    n_req = tl.maximum(tl.sum(tl.where(mine, n, 0), axis=0), 1)
-    first = tl.sum(tl.where(mine, ends, 0), axis=0) - n_req
-    share = tl.cdiv(tl.cdiv(tl.sum(tl.where(mine, kv, 0), axis=0), n_req), ALIGN) * ALIGN
-    return req, first, n_req, share
-
-
 # ints that change with a step's batch (request count, split count, the block table's width,
 # the partials' strides) stay unspecialized: one compile per tile config, none while serving
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt", "stride_os", "stride_ls"])
@@ -383,17 +363,31 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _plan_items_kernel(kv_lens_ptr, plan_ptr, items_ptr, num_reqs, budget, min_share,
-                       ALIGN: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Once a step: item `pid`'s (request, split, n, share) into plan [R + budget, 4], each
-    request's (first item, n) into items [R, 2] (the merge's)."""
-    pid = tl.program_id(0)
-    req, first, n, share = _find_item(kv_lens_ptr, pid, num_reqs, budget, min_share, ALIGN, BLOCK_R)
-    i = tl.arange(0, 4)
-    tl.store(plan_ptr + 4 * pid + i,
-             tl.where(i == 0, req, tl.where(i == 1, pid - first, tl.where(i == 2, n, share))))
-    if (pid == first) & (req < num_reqs):
-        j = tl.arange(0, 2)
-        tl.store(items_ptr + 2 * req + j, tl.where(j == 0, first, n))
+                       ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Once a step, decode's work items: request r's KV in n_r = max(1, kv_r // chunk) shares, chunk =
+    max(sum(kv) / budget, min_share); <= num_reqs + budget items, none above ~2 chunks, so one long
+    request beside many short ones no longer holds a step. BLOCK_I items a program, from one load of
+    all kv_lens: item i's (request, split, n_r, share tokens: a multiple of ALIGN) into plan
+    [R + budget, 4], each request's (first item, n_r) into items [R, 2] (the merge's)."""
+    r = tl.arange(0, BLOCK_R)
+    kv = tl.load(kv_lens_ptr + r, mask=r < num_reqs, other=0)
+    chunk = tl.maximum(tl.cdiv(tl.sum(kv, axis=0), budget), min_share)
+    n = tl.where(r < num_reqs, tl.maximum(kv // chunk, 1), 0)
+    ends = tl.cumsum(n, axis=0)
+    i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    req = tl.sum((ends[None, :] <= i[:, None]).to(tl.int32), axis=1)  # [I]; num_reqs: a spare item
+    mine = r[None, :] == req[:, None]  # [I, R]
+    n_req = tl.maximum(tl.sum(tl.where(mine, n[None, :], 0), axis=1), 1)
+    first = tl.sum(tl.where(mine, ends[None, :], 0), axis=1) - n_req
+    share = tl.cdiv(tl.cdiv(tl.sum(tl.where(mine, kv[None, :], 0), axis=1), n_req), ALIGN) * ALIGN
+    c = tl.arange(0, 4)[None, :]
+    entry = tl.where(c == 0, req[:, None], tl.where(c == 1, (i - first)[:, None],
+                                                    tl.where(c == 2, n_req[:, None], share[:, None])))
+    tl.store(plan_ptr + 4 * i[:, None] + c, entry, mask=(i < num_reqs + budget)[:, None])
+    c = tl.arange(0, 2)[None, :]
+    heads = (i == first) & (req < num_reqs)
+    tl.store(items_ptr + 2 * req[:, None] + c, tl.where(c == 0, first[:, None], n_req[:, None]),
+             mask=heads[:, None])
 
 
 @functools.lru_cache(maxsize=None)
@@ -419,7 +413,7 @@ def _auto_splits(T: int, Hq: int, Hkv: int, D: int, BLOCK_Q: int, max_context: i
 
 
 def _decode_budget(R: int, Hq: int, Hkv: int, D: int, device: torch.device) -> int:
-    """Decode's work items past one a request (_find_item): ~4 programs an SM, or R (shares near the
+    """Decode's work items past one a request (_plan_items_kernel): ~4 programs an SM, or R (shares near the
     mean context), partials within SPLIT_BUFFER_BYTES; shapes only."""
     want = max(4 * _num_sms(device) // Hkv, R)
     return max(1, min(want, SPLIT_BUFFER_BYTES // (Hq * (D + 1) * 4) - R))
@@ -435,9 +429,11 @@ def plan_decode(kv_lens: torch.Tensor, Hq: int, Hkv: int, D: int, budget: int | 
     budget = budget or _decode_budget(R, Hq, Hkv, D, dev)
     buf = torch.empty(4 * (R + budget) + 2 * R, dtype=torch.int32, device=dev)
     plan, items = buf[:4 * (R + budget)].view(R + budget, 4), buf[4 * (R + budget):].view(R, 2)
-    _plan_items_kernel[(R + budget,)](kv_lens, plan, items, R, budget, MIN_SHARE,
-                                      ALIGN=SHARE_ALIGN if dev.type == "cuda" else 16,
-                                      BLOCK_R=_request_bucket(R))
+    BLOCK_R = _request_bucket(R)
+    BLOCK_I = max(1, 8192 // BLOCK_R)  # [I, R] tiles of ~8K int32s
+    _plan_items_kernel[(triton.cdiv(R + budget, BLOCK_I),)](
+        kv_lens, plan, items, R, budget, MIN_SHARE, ALIGN=SHARE_ALIGN if dev.type == "cuda" else 16,
+        BLOCK_R=BLOCK_R, BLOCK_I=BLOCK_I)
     return budget, plan, items
 
 
@@ -549,7 +545,7 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     D] (q's dtype, or the given `out`) and lse [T, Hq] float32, natural log (or the given `lse`; any
     strides, last dim contiguous); rows outside query_start_loc[0]:query_start_loc[R] unwritten.
     max_query_len (>= the longest request's rows) picks the tiling; num_kv_splits: a prefix's KV splits,
-    decode's work-item budget (_find_item), None: from shapes; plan: decode's (plan_decode), else built."""
+    decode's work-item budget (_plan_items_kernel), None: from shapes; plan: decode's (plan_decode), else built."""
     T, Hq, D = q.shape
     _, B, Hkv, Dk = k_cache.shape
     R = kv_lens.shape[0]
