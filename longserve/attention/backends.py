@@ -87,12 +87,10 @@ class TorchAttentionBackend:
     def get_supported_kernel_block_sizes():
         return [MultipleOf(1)]
 
-    # ---- the algorithm ------------------------------------------------------------------
     def forward(self, layer: Attention, q, k, v, meta: AttentionMetadata, out=None, kv_stored=False):
         ps = meta.ps
         if meta.pcp_kv_index is not None:  # the step's K/V of every PCP rank, request order
-            k = ps.pcp.all_gather(k, 0)[meta.pcp_kv_index]
-            v = ps.pcp.all_gather(v, 0)[meta.pcp_kv_index]
+            k, v = (ps.pcp.all_gather(x, 0)[meta.pcp_kv_index] for x in (k, v))
         if layer.kv_sharing_target is None:
             if not kv_stored:
                 self.store_kv(k, v, layer.kv_cache[0], layer.kv_cache[1], meta.slot_mapping, layer.kv_scale)
@@ -119,9 +117,8 @@ class TorchAttentionBackend:
                                               meta.ps.pcp.world_size > 1, async_op=True)
         out, lse = self.suffix_attention(q, k, v, meta, layer.scale, True)  # under the exchange
         p_out, p_lse = prefix()
-        merged = torch.empty_like(out)
-        self.merge_states(merged, p_out, p_lse, out, lse)
-        return merged
+        self.merge_states(out, p_out, p_lse, out, lse)  # in place: the merge may alias an input
+        return out
 
     def suffix_attention(self, q, k, v, meta: AttentionMetadata, scale, need_lse):
         """The prefill rows q against the step's new K/V, segment by segment."""
@@ -142,9 +139,7 @@ class TorchAttentionBackend:
         out, lse = self.dense_attention(q, k[s.ka:s.kb], v[s.ka:s.kb], True, scale, need_lse)
         if s.ka > s.k0:
             o2, l2 = self.dense_attention(q, k[s.k0:s.ka], v[s.k0:s.ka], False, scale, True)
-            merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
-            self.merge_states(merged, o2, l2, out, lse, merged_lse)
-            out, lse = merged, merged_lse
+            self.merge_states(out, o2, l2, out, lse, lse)  # in place: the merge may alias an input
         return out, lse
 
     @staticmethod
@@ -179,7 +174,7 @@ class TorchAttentionBackend:
         """paged_attention's (out, lse) as one tensor in q's dtype (pack_partial)."""
         return pack_partial(*self.paged_attention(*args), args[0].dtype)
 
-    # ---- primitives (reference versions) ---------------------------------------------------
+    # the primitives, reference versions (TritonAttentionBackend swaps in its own)
     @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale=None):
         keep = slot_mapping >= 0
@@ -195,7 +190,7 @@ class TorchAttentionBackend:
     @staticmethod
     def paged_attention(q, k_cache, v_cache, part: PagedPart, scale, kv_scale=None):
         """Row group r of q over the first kv_lens[r] cached tokens of its block-table row."""
-        if part.max_query_len == 1 and q.shape[0] == part.num_reqs:  # decode: one row a request
+        if part.max_query_len == 1 and q.shape[0] == len(part.kv_lens_cpu):  # decode: one row a request
             return batched_decode_attention(q, k_cache, v_cache, part, scale, kv_scale)
         return gathered_paged_attention(q, k_cache, v_cache, part, scale, kv_scale)
 

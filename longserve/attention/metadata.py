@@ -45,10 +45,6 @@ class PagedPart:
     # (torch) or decode's work items (Triton, plan_decode)
     packed: object | None = None
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.kv_lens_cpu)
-
 
 @dataclass
 class AttentionMetadata:

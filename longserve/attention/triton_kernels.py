@@ -565,11 +565,10 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         num_kv_splits, plan, items = plan or plan_decode(kv_lens, Hq, Hkv, D, num_kv_splits)
         grid = (Hkv, R + num_kv_splits, 1)
         part, part_lse = _item_buffers(R, num_kv_splits, Hq, D, q.device)
-        o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, 1)
     else:  # request r owns q-tile programs [qsl[r] // BLOCK_Q + r, ...): see _find_request
         num_kv_splits = num_kv_splits or _auto_splits(T, Hq, Hkv, D, BLOCK_Q, block_table.shape[1] * B, q.device)
         grid = (T // BLOCK_Q + R, Hkv, num_kv_splits)
-        o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, num_kv_splits)
+    o_buf, l_buf, o_strides, l_strides = _split_buffers(out, lse, 1 if BLOCK_Q == 1 else num_kv_splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, o_buf, l_buf, part, part_lse,
         plan, kv_scale, scale * LOG2E, R, num_kv_splits,

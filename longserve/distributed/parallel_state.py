@@ -81,7 +81,6 @@ class GroupCoordinator:
 
     def __init__(self, ranks: list[int], rank: int, device_group=None, cpu_group=None):
         self.ranks = ranks
-        self.rank = rank
         self.rank_in_group = ranks.index(rank)
         self.world_size = len(ranks)
         self.device_group = device_group

@@ -21,10 +21,6 @@ class OffloadMeta:
         return [d for _, d in self.loads]
 
 
-def num_host_blocks(kv_offload_bytes: int, bytes_per_block: int) -> int:
-    return kv_offload_bytes // bytes_per_block
-
-
 class OffloadConnectorScheduler:
     def __init__(self, num_host_blocks: int, tokens_per_block: int):
         if num_host_blocks < 1:
@@ -36,8 +32,7 @@ class OffloadConnectorScheduler:
         self.meta = OffloadMeta()
         self.num_loaded_tokens = self.num_saved_blocks = 0
 
-    # ---- called by the KV manager ----------------------------------------------------
-    def on_evict(self, block_id: int, block_hash: int) -> None:
+    def on_evict(self, block_id: int, block_hash: int) -> None:  # called by the KV manager
         if block_hash in self.host:
             self.host.move_to_end(block_hash)
             return
@@ -57,7 +52,6 @@ class OffloadConnectorScheduler:
                 return host_block
         return None
 
-    # ---- the connector API -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         first = num_computed_tokens // self.tokens_per_block
         last = (request.num_tokens - 1) // self.tokens_per_block  # keep one token to compute
@@ -109,7 +103,7 @@ class OffloadConnectorWorker:
             data = cache.view(torch.uint8)  # float8 has no index_copy on CPU; bytes copy alike
             self.device_caches[name] = data.view(2, -1, self.block_size, *data.shape[-2:])
         bytes_per_block = sum(c[:, 0].numel() * c.element_size() for c in self.device_caches.values())
-        n = num_host_blocks(self.config.kv_transfer.kv_offload_bytes, bytes_per_block)
+        n = self.config.kv_transfer.kv_offload_bytes // bytes_per_block
         pin = self.device.type == "cuda"
         self.host_caches = {name: torch.zeros(2, n, *c.shape[2:], dtype=c.dtype, pin_memory=pin)
                             for name, c in self.device_caches.items()}

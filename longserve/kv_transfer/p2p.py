@@ -111,7 +111,6 @@ class P2pConnectorScheduler:
         self._stores: dict[tuple[str, int], object] = {}
         self.num_loaded_tokens = 0
 
-    # ---- consumer --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         p = request.kv_transfer_params
         if not (self.consumes and isinstance(p, dict) and p.get("do_remote_prefill")):
@@ -144,7 +143,6 @@ class P2pConnectorScheduler:
             self._stores.pop(addr, None)
             log.warning("could not release request %s on %s: %s", p["remote_request_id"], addr, e)
 
-    # ---- producer --------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         mine = request.kv_transfer_params
         wanted = not isinstance(mine, dict) or mine.get("do_remote_decode", True)
@@ -161,7 +159,6 @@ class P2pConnectorScheduler:
             prompt_hash=prompt_hash(request.prompt_token_ids), num_layers=self.config.model.num_layers,
             head_dim=self.config.model.head_dim, lease_deadline=deadline)
 
-    # ---- both ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> P2pMeta | None:
         meta, self.meta = self.meta, P2pMeta(tokens_per_block=self.tokens_per_block)
         return meta if meta.loads or meta.new_holds else None
@@ -244,7 +241,6 @@ class P2pConnectorWorker:
         return all((a is None) == (b is None) and (a is None or torch.equal(a, b))
                    for a, b in zip(mine, theirs))
 
-    # ---- worker API --------------------------------------------------------------------
     def start_load_kv(self, meta: P2pMeta | None) -> None:
         if meta is None:
             return
@@ -254,9 +250,8 @@ class P2pConnectorWorker:
             self.hold_added.notify_all()
         for spec in meta.loads:  # the blocks the pull does not fill whole (new blocks are zeros)
             self._zero_blocks(spec.block_ids[spec.end // self.layout.tokens_per_block:])
-            zeroed = torch.cuda.Event() if self.device.type == "cuda" else None
-            if zeroed is not None:
-                zeroed.record()  # on the step's stream: the pull's writes come after
+            # on the step's stream: the pull's writes come after
+            zeroed = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
             threading.Thread(target=self._load, args=(spec, zeroed), daemon=True).start()
 
     def wait_for_save(self) -> None:
@@ -287,7 +282,6 @@ class P2pConnectorWorker:
             self.server.join(timeout=self.kvt.kv_transfer_timeout_s + 5)
         self.groups.close()
 
-    # ---- producer ------------------------------------------------------------------------
     def _let_go(self, req_id: str, h: Held) -> bool:
         if time.time() >= h.deadline:
             return True
@@ -356,22 +350,21 @@ class P2pConnectorWorker:
             group = self.groups.get(store, msg["pair"], 0)
             rng = PieceRange(msg["start"], msg["end"], tuple(h.block_ids), ())
             receiver = KVLayout(**msg["receiver"])
-            chunks = _layer_chunks(len(self.caches), msg["layers_per_chunk"])
-            self.groups.send_all(group, self._payloads(msg, rng, receiver, chunks), h.deadline)
+            self.groups.send_all(group, self._payloads(msg, rng, receiver), h.deadline)
         finally:
             if h is not None:
                 with self.lock:
                     h.readers -= 1
                 self.progress.set()
 
-    def _payloads(self, msg: dict, rng: PieceRange, receiver: KVLayout, chunks: list):
-        pieces = [p for p in msg["pieces"] if not _is_empty(p, self.layout, receiver, rng)]
-        for i, (piece, layers) in enumerate((p, c) for p in pieces for c in chunks):
+    def _payloads(self, msg: dict, rng: PieceRange, receiver: KVLayout):
+        parts = _payload_parts(msg["pieces"], self.layout, receiver, rng, len(self.caches),
+                               msg["layers_per_chunk"])
+        for i, (piece, layers) in enumerate(parts):
             yield pack_piece(self.caches[layers], piece, self.layout, receiver, rng)
             if i == 0:
                 _test_fault("die", "drop", groups=self.groups, pair=msg["pair"])
 
-    # ---- consumer ------------------------------------------------------------------------
     def _zero_blocks(self, block_ids: list[int]) -> None:  # all-zero bits = 0.0
         if not block_ids:
             return
@@ -483,8 +476,7 @@ class P2pConnectorWorker:
 
     def _recv_pieces(self, group, pieces: list, remote: KVLayout, rng: PieceRange, chunk: int) -> None:
         row = self.caches[0].shape[-1]  # one head's row of one token, in words
-        parts = [(piece, layers) for piece in pieces if not _is_empty(piece, remote, self.layout, rng)
-                 for layers in _layer_chunks(len(self.caches), chunk)]
+        parts = _payload_parts(pieces, remote, self.layout, rng, len(self.caches), chunk)
 
         def buffer(piece, layers):
             shape = payload_shape(piece, remote, self.layout, rng, layers.stop - layers.start, row)
@@ -525,10 +517,8 @@ def _test_fault(*here: str, groups: PairGroups | None = None, pair: str = "") ->
     raise ConnectionError("test: the pair's connection was dropped")
 
 
-def _is_empty(piece, sender: KVLayout, receiver: KVLayout, rng: PieceRange) -> bool:
-    """A piece with no positions in the range moves nothing (both sides skip it)."""
-    return 0 in payload_shape(piece, sender, receiver, rng, 1, 1)
-
-
-def _layer_chunks(num_layers: int, per_chunk: int) -> list[slice]:
-    return [slice(i, min(i + per_chunk, num_layers)) for i in range(0, num_layers, per_chunk)]
+def _payload_parts(pieces, sender: KVLayout, receiver: KVLayout, rng, num_layers: int, per_chunk: int):
+    """The (piece, layer slice) of each payload, in the order both sides use; a piece with no
+    positions in the range moves nothing (both sides skip it)."""
+    chunks = [slice(i, min(i + per_chunk, num_layers)) for i in range(0, num_layers, per_chunk)]
+    return [(p, c) for p in pieces if 0 not in payload_shape(p, sender, receiver, rng, 1, 1) for c in chunks]

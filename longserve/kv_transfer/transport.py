@@ -113,7 +113,6 @@ class PairGroups:
         return self.timeout_s if deadline is None else max(0.05, min(self.timeout_s, deadline - time.time()))
 
 
-# ---- control messages over the store ---------------------------------------------------------
 def queue_key(engine_id: str, rank: int) -> str:
     return f"pullq/{engine_id}/{rank}"
 

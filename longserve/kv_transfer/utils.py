@@ -59,7 +59,6 @@ class KVOutputAggregator:
             result, kv_connector_output=KVConnectorOutput(sending, recving, invalid))
 
 
-# ---- cache layout ----------------------------------------------------------------------
 def get_kv_connector_cache_layout(kv_transfer_config=None) -> str:
     """The block layout the connector moves: "NHD" ([block_size, heads, dim], our caches)
     unless the transfer config asks for "HND" ([heads, block_size, dim]) on the wire."""
@@ -100,7 +99,6 @@ def kv_postprocess_blksize_and_layout_on_receive(cache: torch.Tensor, indices: t
     kv_postprocess_layout_on_receive(cache, indices)
 
 
-# ---- the step plan -------------------------------------------------------------------
 def yield_req_data(scheduler_output) -> Iterator[tuple[str, tuple[list[int], ...], bool]]:
     """(req_id, new_block_id_groups, preempted) for every request of the step: its blocks since the
     workers last heard of it (one KV-cache group), and whether its block list starts over."""

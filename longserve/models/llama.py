@@ -37,9 +37,8 @@ class LlamaAttention(nn.Module):
         """hidden [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D], with RoPE (q, k into `out`; K and V
         into the cache too with store = Attention.rope_store's)."""
         q, k, v = self.qkv_proj(hidden)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
         q, k = self.rotary(cos_sin, q, k, self.q_norm, self.k_norm, out,  # Qwen3: q/k norm first
                            store and (v, *store))
         return q, k, v

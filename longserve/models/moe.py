@@ -94,7 +94,6 @@ class FusedMoE(nn.Module):
         if local is not None:
             _copy_checked(param.data[local], loaded.narrow(1, self.width_start, self.width))
 
-    # ---- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, reduce: str = "all", dp_pad: int | None = None):
         return drain(self.stages(x, reduce, dp_pad, async_op=False))
 

@@ -30,7 +30,6 @@ class PCPManager:
         self.pcp_rank = pcp_rank
         self.max_num_reqs = max_num_reqs
         self.max_padded_num_tokens = max_padded_num_tokens
-        self.device = device
         self.pcp_group = pcp_group  # GroupCoordinator; only needed when pcp_world_size > 1
 
         def buffer(dtype: torch.dtype) -> CpuGpuBuffer:
@@ -58,8 +57,6 @@ class PCPManager:
         self.num_real_tokens = 0  # sum of n
         self.local_total = 0  # tokens on this rank (sum of P / W)
         self.padded_total = 0  # tokens on all ranks (sum of P) = W * local_total
-
-    # ---- the split -------------------------------------------------------------------
 
     def partition_inputs(self, positions_np: np.ndarray, req_indices: np.ndarray,
                          num_scheduled_tokens: np.ndarray, num_computed_tokens: np.ndarray,
@@ -146,8 +143,6 @@ class PCPManager:
         positions_np[:L] = global_positions[src] + past_end
         req_indices[:L] = global_reqs[src]
 
-    # ---- the step's index arrays, on the device ---------------------------------------
-
     @property
     def restore_idx(self) -> torch.Tensor:
         """[padded_total] int64: gathered[restore_idx] is the padded order."""
@@ -168,8 +163,6 @@ class PCPManager:
     def local_num_tokens_per_req(self) -> np.ndarray:
         """[num_reqs] tokens of each request on this (and every) rank, pads included: P / W."""
         return self.num_padded_tokens[:self.num_reqs] // self.pcp_world_size
-
-    # ---- using the split --------------------------------------------------------------
 
     def pad_slot_mapping(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """[num_real] slots in request order -> [padded_total] slots in padded order, -1 at pads
@@ -205,25 +198,22 @@ def check_attention_cp_compatibility(parallel_config: ParallelConfig, backends: 
     interleave = parallel_config.cp_kv_cache_interleave_size
     if pcp * dcp == 1:
         return
-    problems = []
-    for backend in dict.fromkeys(backends):  # dedupe, keep order
-        name = getattr(backend, "name", backend.__name__)
-        if not getattr(backend, "can_return_lse_for_decode", False):
-            problems.append(
-                f"attention backend {name!r} cannot return the LSE of decode attention, which "
-                f"a KV cache sharded over {pcp * dcp} CP ranks (pcp={pcp}, dcp={dcp}) needs; "
-                f"pick a backend that returns LSE or set prefill_context_parallel_size=1 and "
-                f"decode_context_parallel_size=1")
-        if pcp > 1 and not getattr(backend, "supports_pcp", False):
-            problems.append(
-                f"attention backend {name!r} does not support prefill context parallelism; "
-                f"pick a backend with PCP support or set prefill_context_parallel_size=1")
-        if (num_speculative_tokens > 0 and interleave > 1 and not
-                getattr(backend, "supports_mtp_with_cp_non_trivial_interleave_size", False)):
-            problems.append(
-                f"attention backend {name!r} does not support speculative decoding "
-                f"({num_speculative_tokens} tokens) with cp_kv_cache_interleave_size="
-                f"{interleave}; set cp_kv_cache_interleave_size=1 or disable speculative "
-                f"decoding")
+    needs = [  # (attribute, needed, why not): each problem reads "attention backend {name!r} {why}"
+        ("can_return_lse_for_decode", True,
+         f"cannot return the LSE of decode attention, which a KV cache sharded over {pcp * dcp} "
+         f"CP ranks (pcp={pcp}, dcp={dcp}) needs; pick a backend that returns LSE or set "
+         f"prefill_context_parallel_size=1 and decode_context_parallel_size=1"),
+        ("supports_pcp", pcp > 1,
+         "does not support prefill context parallelism; pick a backend with PCP support or set "
+         "prefill_context_parallel_size=1"),
+        ("supports_mtp_with_cp_non_trivial_interleave_size",
+         num_speculative_tokens > 0 and interleave > 1,
+         f"does not support speculative decoding ({num_speculative_tokens} tokens) with "
+         f"cp_kv_cache_interleave_size={interleave}; set cp_kv_cache_interleave_size=1 or "
+         f"disable speculative decoding"),
+    ]
+    problems = [f"attention backend {getattr(backend, 'name', backend.__name__)!r} {why}"
+                for backend in dict.fromkeys(backends)  # dedupe, keep order
+                for attr, needed, why in needs if needed and not getattr(backend, attr, False)]
     if problems:
         raise ValueError("unsupported context-parallel configuration:\n  " + "\n  ".join(problems))

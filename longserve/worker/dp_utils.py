@@ -20,15 +20,6 @@ def can_split_into_ubatches(num_tokens: int,
     return num_tokens >= 2 and (per_request is None or int(np.count_nonzero(per_request)) >= 2)
 
 
-def _run_ar(column: list[int], dp_size: int, dp_rank: int, dp_group) -> torch.Tensor:
-    """[5, dp_size] int64 with every rank's column; one all-reduce (sum of one-hot columns)."""
-    table = torch.zeros(len(column), dp_size, dtype=torch.int64)
-    table[:, dp_rank] = torch.tensor(column, dtype=torch.int64)
-    if dp_size > 1:
-        dist.all_reduce(table, group=dp_group.cpu_group)
-    return table
-
-
 def _post_process_ubatch(table: torch.Tensor) -> bool:
     """Micro-batch only if every rank wants to and every rank's second micro-batch (its tokens
     [half, 2 * half) once all are padded to the common size) keeps a real token."""
@@ -52,23 +43,23 @@ def _post_process_cudagraph_mode(table: torch.Tensor) -> int:
     return int(table[CUDAGRAPH_MODE].min())
 
 
-def _decide(table: torch.Tensor) -> tuple[bool, torch.Tensor | None, int]:
-    """The same decision on every rank, from everyone's column."""
-    should_ubatch = _post_process_ubatch(table)
-    return (should_ubatch, _post_process_dp_padding(table, should_ubatch),
-            _post_process_cudagraph_mode(table))
-
-
 def _synchronize_dp_ranks(num_tokens_unpadded: int, num_tokens_padded: int,
                           should_attempt_ubatching: bool, should_attempt_dp_padding: bool,
                           cudagraph_mode: int, parallel_config: ParallelConfig,
                           dp_group=None) -> tuple[bool, torch.Tensor | None, int]:
-    """One exchange of every rank's wishes, then the shared decision (see below)."""
+    """One all-reduce of every rank's one-hot column into a [5, dp_size] int64 table, then the
+    same decision on every rank from everyone's column."""
     dp_size = parallel_config.data_parallel_size
     dp_rank = dp_group.rank_in_group if dp_size > 1 else 0
-    column = [num_tokens_unpadded, num_tokens_padded, int(should_attempt_ubatching),
-              int(should_attempt_dp_padding), int(cudagraph_mode)]
-    return _decide(_run_ar(column, dp_size, dp_rank, dp_group))
+    table = torch.zeros(5, dp_size, dtype=torch.int64)
+    table[:, dp_rank] = torch.tensor([num_tokens_unpadded, num_tokens_padded,
+                                      int(should_attempt_ubatching),
+                                      int(should_attempt_dp_padding), int(cudagraph_mode)])
+    if dp_size > 1:
+        dist.all_reduce(table, group=dp_group.cpu_group)
+    should_ubatch = _post_process_ubatch(table)
+    return (should_ubatch, _post_process_dp_padding(table, should_ubatch),
+            _post_process_cudagraph_mode(table))
 
 
 def coordinate_batch_across_dp(num_tokens_unpadded: int, allow_microbatching: bool,

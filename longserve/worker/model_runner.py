@@ -56,6 +56,10 @@ class ModelRunner:
                                  config.seed, config.parallel.enable_expert_parallel,
                                  fp8_kv=self.kv_dtype == torch.float8_e4m3fn)
         self.layers = {a.layer_name: a for a in self.model.attention_layers()}
+        # layers that own a cache, and each layer that reads another's (kv_sharing_target) -> owner
+        self.kv_owners = {n: a for n, a in self.layers.items() if a.kv_sharing_target is None}
+        self.kv_targets = {n: f"model.layers.{a.kv_sharing_target}.self_attn.attn"
+                           for n, a in self.layers.items() if a.kv_sharing_target is not None}
         self.block_size = config.cache.block_size
         par = config.parallel
         self.kernel_block_size = prepare_kernel_block_sizes(*self._kv_cache_groups()[:2])[0]
@@ -86,22 +90,18 @@ class ModelRunner:
         self.kv_connector = build_worker_connector(config, ps, device)  # None without KV transfer
         self._table: tuple[list[str], np.ndarray] | None = None  # _block_table
 
-    # ---- KV cache -----------------------------------------------------------------------
     def _kv_cache_groups(self) -> tuple[KVCacheConfig, list[list[AttentionGroup]], set[str]]:
         first = next(iter(self.layers.values()))
         spec = AttentionSpec(self.block_size, first.num_kv_heads, first.head_dim, self.kv_dtype)
-        owners = [n for n, a in self.layers.items() if a.kv_sharing_target is None]
-        group = KVCacheGroupSpec(list(owners), spec)
-        shared = {n: f"model.layers.{a.kv_sharing_target}.self_attn.attn"
-                  for n, a in self.layers.items() if a.kv_sharing_target is not None}
+        group = KVCacheGroupSpec(list(self.kv_owners), spec)
         runner_only: set[str] = set()
-        add_kv_sharing_layers_to_kv_cache_groups(shared, [group], runner_only)
+        add_kv_sharing_layers_to_kv_cache_groups(self.kv_targets, [group], runner_only)
         attn_groups = [[AttentionGroup(type(self.backend), group.layer_names, spec, 0)]]
         return KVCacheConfig(0, [group]), attn_groups, runner_only
 
     def kv_bytes_per_block(self) -> int:
-        owners = [a for a in self.layers.values() if a.kv_sharing_target is None]
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize for a in owners)
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
+                   for a in self.kv_owners.values())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """[2, num_blocks * k, kernel_block_size, Hkv, D] per layer that owns a cache."""
@@ -109,10 +109,8 @@ class ModelRunner:
         k = self.block_size // self.kernel_block_size
         caches = {name: torch.empty(2, num_blocks * k, self.kernel_block_size, a.num_kv_heads, a.head_dim,
                                     dtype=self.kv_dtype, device=self.device)
-                  for name, a in self.layers.items() if a.kv_sharing_target is None}
-        for name, a in self.layers.items():
-            if a.kv_sharing_target is not None:
-                caches[name] = caches[f"model.layers.{a.kv_sharing_target}.self_attn.attn"]
+                  for name, a in self.kv_owners.items()}
+        caches.update({name: caches[target] for name, target in self.kv_targets.items()})
         bind_kv_cache(caches, self.layers, self.kv_caches)
         self.kv_cache_dict = caches
         self.zeroer.init_meta(attn_groups[0], [self.kernel_block_size], "auto", runner_only, self.layers)
@@ -141,7 +139,6 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    # ---- one step -----------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, out: SchedulerOutput, profile: bool = False) -> ModelRunnerOutput | None:
         kv = None if profile else self.kv_connector

@@ -12,7 +12,6 @@ from longserve.host_to_device import to_device
 
 class Sampler:
     def __init__(self, seed: int, device: torch.device):
-        self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded = torch.Generator(device=device)
 
@@ -65,10 +64,8 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int],
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    k = max(top_ks)
-    top = logprobs.topk(k) if k else None
-    top_v = top.values.tolist() if k else [[]] * len(targets)
-    top_i = top.indices.tolist() if k else [[]] * len(targets)
+    top = logprobs.topk(max(top_ks))  # k = 0: empty rows
+    top_v, top_i = top.values.tolist(), top.indices.tolist()
     return [(r, {t: c, **dict(zip(ids[:kr], vs[:kr]))})
             for t, c, r, kr, vs, ids in zip(targets, chosen[:, 0].tolist(), ranks, top_ks, top_v, top_i)]
 

@@ -38,9 +38,8 @@ class CPLayout:
     kernel_blocks_per_block: int = 1
 
 
-def build_block_table(block_ids: list[list[int]], width: int | None = None) -> np.ndarray:
-    width = max([len(b) for b in block_ids] + [1]) if width is None else width
-    table = np.zeros((len(block_ids), width), dtype=np.int32)
+def build_block_table(block_ids: list[list[int]]) -> np.ndarray:
+    table = np.zeros((len(block_ids), max([len(b) for b in block_ids] + [1])), dtype=np.int32)
     for i, ids in enumerate(block_ids):
         table[i, :len(ids)] = ids
     return table

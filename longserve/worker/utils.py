@@ -23,8 +23,6 @@ except ImportError:
 
 GiB = 1 << 30
 
-# ----------------------------------------------------------------------------- zeroing
-
 # Bytes zeroed by one program: 16 KiB = 128 threads x 8 stores of 16 bytes.
 _MAX_CHUNK_BYTES = 16384
 _ALIGN = 16  # bytes; lets the kernel use 128-bit stores
@@ -149,8 +147,6 @@ class KVBlockZeroer:
         return ids.to(device=self.device, dtype=torch.int64, non_blocking=True)
 
 
-# ----------------------------------------------------------------------------- binding
-
 def _layer_index(layer_name: str) -> int:
     """'model.layers.7.self_attn.attn' -> 7: the single integer component of the name."""
     ints = [int(part) for part in layer_name.split(".") if part.isdigit()]
@@ -199,8 +195,6 @@ def add_kv_sharing_layers_to_kv_cache_groups(shared_kv_cache_layers: dict[str, s
             runner_only_attn_layers.add(layer)
 
 
-# ----------------------------------------------------------------------------- block sizes
-
 def _supports(backend: type, block_size: int) -> bool:
     return any(block_size % s.base == 0 if isinstance(s, MultipleOf) else block_size == s
                for s in backend.get_supported_kernel_block_sizes())
@@ -227,8 +221,6 @@ def prepare_kernel_block_sizes(kv_cache_config: KVCacheConfig,
     return [select_common_block_size(g.kv_cache_spec.block_size, [a.backend for a in ags])
             for g, ags in zip(groups, attn_groups)]
 
-
-# ----------------------------------------------------------------------------- memory
 
 @dataclass
 class MemorySnapshot:
@@ -265,8 +257,6 @@ def request_memory(init_snapshot: MemorySnapshot, cache_config: CacheConfig) -> 
                          f" or free memory held by other processes")
     return requested
 
-
-# ----------------------------------------------------------------------------- parallelism
 
 def is_residual_scattered_for_sp(config: Any, num_input_tokens: int) -> bool:
     """Whether sequence parallelism splits the residual over the TP ranks at this size (an uneven
