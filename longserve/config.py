@@ -18,17 +18,21 @@ _DTYPES = {
 }
 
 
+def refuse(broken, message: str) -> None:
+    if broken:
+        raise ValueError(message)
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
+    refuse(not isinstance(dtype, str) or dtype not in _DTYPES,
+           f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
     return _DTYPES[dtype]
 
 
 HF_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads")
-HF_SIZE_FIELDS = HF_REQUIRED_FIELDS + ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),  # see models/layers.py rope_inv_freq
@@ -46,13 +50,12 @@ def read_json(path: str):
 
 
 def check_hf_sizes(hf: dict, source: str) -> None:
-    for key in HF_SIZE_FIELDS:
+    for key in HF_REQUIRED_FIELDS + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
         required = key in HF_REQUIRED_FIELDS
-        if required and key not in hf:
-            raise ValueError(f"{source}: missing field {key!r}")
+        refuse(required and key not in hf, f"{source}: missing field {key!r}")
         v = hf.get(key)
-        if (required or v is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{source}: {key} must be a positive integer, got {v!r}")
+        refuse((required or v is not None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1),
+               f"{source}: {key} must be a positive integer, got {v!r}")
 
 
 @dataclass
@@ -99,8 +102,7 @@ class ModelConfig:
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"no config.json in model folder {path!r}")
         hf = read_json(config_file)
-        if not isinstance(hf, dict):
-            raise ValueError(f"{config_file} must hold a JSON object, got {type(hf).__name__}")
+        refuse(not isinstance(hf, dict), f"{config_file} must hold a JSON object, got {type(hf).__name__}")
         try:
             return cls.from_hf_dict(path, hf)
         except (KeyError, TypeError, AttributeError) as e:
@@ -108,22 +110,19 @@ class ModelConfig:
 
     def check(self, source: str) -> None:
         rs = self.rope_scaling
-        if rs is not None and not isinstance(rs, dict):
-            raise ValueError(f"{source}: rope_scaling must be an object or null, got {rs!r}")
+        refuse(rs is not None and not isinstance(rs, dict),
+               f"{source}: rope_scaling must be an object or null, got {rs!r}")
         kind = (rs or {}).get("rope_type", (rs or {}).get("type", "default"))
-        if kind not in ROPE_SCALING_KEYS:
-            raise ValueError(f"{source}: unsupported rope_scaling type {kind!r} "
-                             f"(supported: {', '.join(ROPE_SCALING_KEYS)})")
+        refuse(kind not in ROPE_SCALING_KEYS, f"{source}: unsupported rope_scaling type {kind!r} "
+               f"(supported: {', '.join(ROPE_SCALING_KEYS)})")
         for key in ROPE_SCALING_KEYS[kind]:
             v = rs.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{source}: rope_scaling {kind} needs a positive number {key!r}, got {v!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_ids):
-            raise ValueError(f"{source}: eos_token_id must be an integer or a list of them, "
-                             f"got {self.eos_token_ids!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{source}: num_key_value_heads={self.num_kv_heads} must divide "
-                             f"num_attention_heads={self.num_heads}")
+            refuse(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0,
+                   f"{source}: rope_scaling {kind} needs a positive number {key!r}, got {v!r}")
+        refuse(not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_ids),
+               f"{source}: eos_token_id must be an integer or a list of them, got {self.eos_token_ids!r}")
+        refuse(self.num_heads % self.num_kv_heads, f"{source}: num_key_value_heads={self.num_kv_heads} "
+               f"must divide num_attention_heads={self.num_heads}")
 
     @classmethod
     def from_hf_dict(cls, path: str, hf: dict) -> "ModelConfig":
@@ -131,9 +130,8 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         archs = [archs] if isinstance(archs, str) else archs
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"unsupported architecture {archs} in {path!r}; "
-                             f"LongServe runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        refuse(arch is None, f"unsupported architecture {archs} in {path!r}; "
+               f"LongServe runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         source = path if path.endswith(".gguf") else os.path.join(path, "config.json")
         check_hf_sizes(hf, source)  # before any arithmetic on them
         num_heads = hf["num_attention_heads"]
@@ -245,8 +243,8 @@ class SchedulerConfig:
     async_scheduling: bool = False  # plan step N+1 while the device runs N (see engine_args.py)
 
     def __post_init__(self):  # (each limit alone is checked at the door: EngineArgs)
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        refuse(not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len,
+               "without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -270,37 +268,32 @@ class KVTransferConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "KVTransferConfig":
         unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown kv_transfer_config keys {sorted(unknown)}; "
-                             f"allowed: {sorted(cls.__dataclass_fields__)}")
+        refuse(unknown, f"unknown kv_transfer_config keys {sorted(unknown)}; "
+               f"allowed: {sorted(cls.__dataclass_fields__)}")
         return cls(**d)
 
     def validate(self) -> None:
-        if self.kv_role is not None and self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
-        if self.kv_load_failure_policy not in ("recompute", "fail"):
-            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail', "
-                             f"got {self.kv_load_failure_policy!r}")
-        if self.kv_buffer_layout not in ("NHD", "HND"):
-            raise ValueError(f"kv_buffer_layout must be 'NHD' or 'HND', got {self.kv_buffer_layout!r}")
+        refuse(self.kv_role is not None and self.kv_role not in KV_ROLES,
+               f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        refuse(self.kv_load_failure_policy not in ("recompute", "fail"),
+               f"kv_load_failure_policy must be 'recompute' or 'fail', got {self.kv_load_failure_policy!r}")
+        refuse(self.kv_buffer_layout not in ("NHD", "HND"),
+               f"kv_buffer_layout must be 'NHD' or 'HND', got {self.kv_buffer_layout!r}")
         for name in ("kv_lease_s", "kv_transfer_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.kv_offload_bytes < 0:
-            raise ValueError(f"kv_offload_gb must be >= 0, got {self.kv_offload_bytes / (1 << 30)}")
-        if self.kv_role is not None and self.kv_offload_bytes:
-            raise ValueError("CPU offload and kv_role cannot be combined yet: use one of them")
-        if not 0 <= self.kv_port < 65536:
-            raise ValueError(f"kv_port must be in [0, 65536), got {self.kv_port}")
-        if not isinstance(self.kv_connect, list):
-            raise ValueError(f"kv_connect must be a list of 'host:port', got {self.kv_connect!r}")
-        if self.kv_connect and self.kv_role not in ("kv_consumer", "kv_both"):
-            raise ValueError(f"kv_connect needs kv_role kv_consumer or kv_both, got {self.kv_role!r}")
+            refuse(not getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)!r}")
+        refuse(self.kv_offload_bytes < 0,
+               f"kv_offload_gb must be >= 0, got {self.kv_offload_bytes / (1 << 30)}")
+        refuse(self.kv_role is not None and self.kv_offload_bytes,
+               "CPU offload and kv_role cannot be combined yet: use one of them")
+        refuse(not 0 <= self.kv_port < 65536, f"kv_port must be in [0, 65536), got {self.kv_port}")
+        refuse(not isinstance(self.kv_connect, list),
+               f"kv_connect must be a list of 'host:port', got {self.kv_connect!r}")
+        refuse(self.kv_connect and self.kv_role not in ("kv_consumer", "kv_both"),
+               f"kv_connect needs kv_role kv_consumer or kv_both, got {self.kv_role!r}")
         for addr in self.kv_connect:
             host, _, port = str(addr).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"kv_connect entries must be 'host:port' with a port in "
-                                 f"[1, 65536), got {addr!r}")
+            refuse(not host or not port.isdigit() or not 0 < int(port) < 65536,
+                   f"kv_connect entries must be 'host:port' with a port in [1, 65536), got {addr!r}")
 
 
 @dataclass

@@ -10,18 +10,13 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from longserve.config import (KV_CACHE_DTYPES, KV_ROLES, CacheConfig, EngineConfig, KVTransferConfig,
-                              ModelConfig, ParallelConfig, SchedulerConfig, parse_dtype)
+                              ModelConfig, ParallelConfig, SchedulerConfig, parse_dtype, refuse)
 from longserve.distributed.parallel_state import launched_by_torchrun
 from longserve.models.builtin import DEFAULT_MODEL, model_config, resolve_model
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 MAX_BLOCK_SIZE = 4096
-
-
-def refuse(broken, message: str) -> None:
-    if broken:
-        raise ValueError(message)
 
 
 # A check is (does a value pass, what a value must be): "{name} must be {what}, got {value!r}".
@@ -41,6 +36,7 @@ def number(lo: float, hi: float | None = None):  # lo < v <= hi
 
 
 POSITIVE, DBO_THRESHOLD = integer(1, what="a positive integer"), integer(2, what="an integer >= 2")
+BOOL_OR_NONE = (lambda v: v is None or isinstance(v, bool), "True, False or None")  # None: the default rule
 
 
 def arg(default, *checks, help: str | None = None, flags: tuple[str, ...] = (), **cli):
@@ -91,8 +87,7 @@ class EngineArgs:
                                             "leaving the rest to the prompts behind it (0: no cap)")
     enforce_eager: bool = arg(False, help="no CUDA graphs")
     async_scheduling: bool | None = arg(
-        None, (lambda v: v is None or isinstance(v, bool), "True, False or None"),
-        action=argparse.BooleanOptionalAction,
+        None, BOOL_OR_NONE, action=argparse.BooleanOptionalAction,
         help="plan step N+1 while the device runs step N (default: on where supported)")
     seed: int = arg(0, integer(-(1 << 63), (1 << 63) - 1))
     load_format: str = arg("auto", choices=LOAD_FORMATS, help="dummy: seeded random weights "
@@ -118,8 +113,7 @@ class EngineArgs:
     dbo_prefill_token_threshold: int = arg(512, DBO_THRESHOLD)
     distributed_timeout_s: float = arg(300.0, number(0))
     rank0_own_process: bool | None = arg(
-        None, (lambda v: v is None or isinstance(v, bool), "True, False or None"),
-        action=argparse.BooleanOptionalAction,
+        None, BOOL_OR_NONE, action=argparse.BooleanOptionalAction,
         help="rank 0's worker in a process of its own, so that its launches run beside the engine "
         "core's scheduling (default: on a GPU without KV transfer or torchrun)")
     kv_offload_gb: float = arg(0.0, (lambda v: isinstance(v, (int, float)) and v >= 0, "a number >= 0"),

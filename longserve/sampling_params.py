@@ -47,9 +47,6 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
@@ -127,31 +124,20 @@ class SamplingParams:
             self.logit_bias = {as_int(int(t) if isinstance(t, str) and t.isdigit() else t,
                                       "logit_bias keys", 0): as_float(b, "logit_bias values")
                                for t, b in self.logit_bias.items()} or None
-        self.stop = self._stop_strings(self.stop)
-        self.stop_token_ids = self._token_list(self.stop_token_ids, "stop_token_ids")
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {_short(stop)}")
+        self.stop = list(stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {_short(ids)}")
+        self.stop_token_ids = [as_int(t, "stop_token_ids entries", 0) for t in ids]
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {_short(getattr(self, name))}")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {_short(so)}")
-
-    @staticmethod
-    def _stop_strings(stop) -> list[str]:
-        if stop is None:
-            return []
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {_short(stop)}")
-        return list(stop)
-
-    @staticmethod
-    def _token_list(ids, name: str) -> list[int]:
-        if ids is None:
-            return []
-        if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
-            raise ValueError(f"{name} must be a list of token ids, got {_short(ids)}")
-        return [as_int(t, f"{name} entries", 0) for t in ids]
 
     def canonical(self) -> "SamplingParams":
         """A validated plain SamplingParams copy (what the engine queues and sends to workers)."""

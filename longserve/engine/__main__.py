@@ -3,15 +3,9 @@ with its arguments pickled on stdin (no re-import of the caller's script)."""
 import os
 import pickle
 import sys
-import traceback
 
-code = 1
-try:
-    from longserve.engine.core_launch import core_main
-    code = core_main(*pickle.load(sys.stdin.buffer))  # plain types and bytes
-except BaseException:
-    traceback.print_exc()
-finally:  # workers, sockets and the core are shut down: skip the interpreter's teardown
-    sys.stdout.flush()  # (torch's finalizers take seconds on a busy host)
-    sys.stderr.flush()
-    os._exit(code)
+from longserve.engine.core_launch import core_main
+
+# core_main reports any failure and flushes: skip the interpreter's teardown (torch's finalizers
+# take seconds on a busy host)
+os._exit(core_main(*pickle.load(sys.stdin.buffer)))  # plain types and bytes

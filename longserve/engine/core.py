@@ -69,7 +69,6 @@ class EngineCore:
         self.kv.num_cached_tokens_hit = self.kv.num_cached_tokens_queried = 0
         self.decode_steps.clear()
 
-    # ---- requests ---------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
         """One Request per choice: choice 0 computes the prompt, the others fork from it."""
         params = r.sampling_params
@@ -94,7 +93,6 @@ class EngineCore:
         return (self.scheduler.has_unfinished() or self._in_flight is not None
                 or self.scheduler.has_kv_transfers() or bool(self.structured.compiling))
 
-    # ---- the loop ---------------------------------------------------------------------
     def step(self, lockstep: bool = False) -> EngineCoreOutputs:
         """One scheduled step; `lockstep`: expert DP ranks run a forward every step (a dummy if idle)."""
         t, self._waited = time.perf_counter(), 0.0
@@ -244,7 +242,7 @@ class EngineCore:
         """Lockstep DP: whether any DP rank still has requests (an all-reduce over the DP ranks' cores)."""
         return self.executor.any_across_dp(self.scheduler.has_unfinished() or bool(self.structured.compiling))
 
-    # ---- what the front end asks --------------------------------------------------------
+    # what the front end asks
     def scheduler_stats(self) -> SchedulerStats:
         s, compiling = self.scheduler, len(self.structured.compiling)
         return SchedulerStats(len(s.running), len(s.waiting) + len(s.loading) + compiling,

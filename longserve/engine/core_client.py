@@ -14,7 +14,10 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, field, replace
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+import torch  # (loaded already: config.py imports it)
 
 from longserve.config import EngineConfig
 from longserve.engine.core_launch import start_core_process
@@ -49,20 +52,15 @@ def core_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
     return replace(config, parallel=par, kv_transfer=kvt)
 
 
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, in CUDA_VISIBLE_DEVICES' order (indices or UUIDs), else all."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [d.strip() for d in listed.split(",") if d.strip()]
-    import torch
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def core_gpus(config: EngineConfig, num_local_cores: int) -> list[list[str]] | None:
-    """Each local engine core's GPUs: core i takes the i-th run of replica_size of the visible ones."""
+    """Each local engine core's GPUs: core i takes the i-th run of replica_size of the visible ones
+    (in CUDA_VISIBLE_DEVICES' order, indices or UUIDs, else all; enough of them: the door checked)."""
     if config.device != "cuda":
         return None
-    per_core, visible = config.parallel.replica_size, visible_gpus()  # enough: the door checked
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = ([d.strip() for d in listed.split(",") if d.strip()] if listed is not None
+               else [str(i) for i in range(torch.cuda.device_count())])
+    per_core = config.parallel.replica_size
     return [visible[i * per_core:(i + 1) * per_core] for i in range(num_local_cores)]
 
 
@@ -75,13 +73,6 @@ def dp_addresses(par) -> CoreAddresses:
 def local_dp_ranks(par) -> range:
     local = par.data_parallel_size if par.data_parallel_size_local is None else par.data_parallel_size_local
     return range(par.data_parallel_start_rank, par.data_parallel_start_rank + local)
-
-
-@dataclass
-class _Call:
-    done: threading.Event = field(default_factory=threading.Event)
-    result: object = None
-    error: str | None = None
 
 
 @dataclass
@@ -124,34 +115,32 @@ class UtilityCalls:
     start apart per front end: every front end hears every answer)."""
 
     def __init__(self, first_id: int = 0):
-        self._waiting: dict[int, _Call] = {}
+        self._waiting: dict[int, Future] = {}
         self._ids = itertools.count(first_id)
 
     def call(self, send, method: str, args: tuple, timeout: float):
-        call_id, waiter = next(self._ids), _Call()
-        self._waiting[call_id] = waiter
+        call_id, answer = next(self._ids), Future()
+        self._waiting[call_id] = answer
         try:
             send((call_id, method, list(args)))
-            if not waiter.done.wait(timeout):
-                raise TimeoutError(f"the engine core did not answer {method} in {timeout} s")
+            return answer.result(timeout)  # a failed call: its RuntimeError
+        except TimeoutError:
+            raise TimeoutError(f"the engine core did not answer {method} in {timeout} s") from None
         finally:
             self._waiting.pop(call_id, None)
-        if waiter.error is not None:
-            raise RuntimeError(waiter.error)
-        return waiter.result
 
-    def resolve(self, utility) -> None:
-        waiter = self._waiting.get(utility.call_id)
-        if waiter is not None:
-            waiter.error = utility.error
+    def resolve(self, utility) -> None:  # (resolve and fail_all run on one thread: no race)
+        answer = self._waiting.get(utility.call_id)
+        if answer is not None and not answer.done():
             if utility.error is None:
-                waiter.result = unpack_result(utility.result)
-            waiter.done.set()
+                answer.set_result(unpack_result(utility.result))
+            else:
+                answer.set_exception(RuntimeError(utility.error))
 
     def fail_all(self, reason: str) -> None:
-        for waiter in list(self._waiting.values()):
-            waiter.error = waiter.error or reason
-            waiter.done.set()
+        for answer in list(self._waiting.values()):
+            if not answer.done():
+                answer.set_exception(RuntimeError(reason))
 
 
 class MPClient:
@@ -188,7 +177,6 @@ class MPClient:
         """Start reading outputs, once the caller can take them (another front end's wave may come)."""
         self._reader.start()
 
-    # ---- start-up -----------------------------------------------------------------------
     def _bind(self, par) -> CoreAddresses:
         if self.front_end is not None:
             addresses, k = self.front_end.addresses, self.front_end.index
@@ -226,7 +214,6 @@ class MPClient:
                                    "did not start in time")
         return [infos[d] for d in range(self.num_cores)]
 
-    # ---- commands ---------------------------------------------------------------------
     def send(self, core: int, kind: bytes, payload) -> None:
         import zmq
         data = encode(payload)
@@ -254,7 +241,6 @@ class MPClient:
             raise RuntimeError(self.dead[core])
         return self._calls.call(lambda p: self.send(core, UTILITY, p), method, args, timeout)
 
-    # ---- the reader thread ------------------------------------------------------------
     def _read_loop(self) -> None:
         import zmq
         try:
@@ -292,7 +278,6 @@ class MPClient:
         self._calls.fail_all(reason)  # a call waits on one core: most likely this one
         self.on_dead(core, reason)
 
-    # ---- shutting down ----------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:
         """Tell every core to stop, wait for the local ones, kill any that lingers. Idempotent."""
         if self._closing:

@@ -95,15 +95,13 @@ class ForkedProcess:
             time.sleep(0.01)
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
     def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def in_forked_child(env: dict) -> None:

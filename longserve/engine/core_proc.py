@@ -156,7 +156,6 @@ class EngineCoreProc:
         return outputs
 
 
-# ---- the process --------------------------------------------------------------------------
 def run_engine_core(config: EngineConfig, engine_index: int, addresses: CoreAddresses,
                     spawned_at: float | None = None, workers: WorkerProcs | None = None) -> None:
     """Entry of an engine-core process (start_core_process: only its GPUs visible)."""

@@ -1,6 +1,5 @@
-"""Incremental detokenization and stop strings: the new text is decode(tokens[prefix_offset:])
-minus `prefix`, the decode of the window's tokens already read; nothing is emitted while the tail
-is an incomplete UTF-8 sequence; stop strings are searched in the new text plus an overlap only."""
+"""Incremental detokenization and stop strings; how the window moves: docs/architecture.md, 'Engine
+cores and the front end' (Deltas)."""
 from __future__ import annotations
 
 WINDOW = 4  # read tokens the window holds before it moves up (one decode a step, a second then)
@@ -16,7 +15,7 @@ class IncrementalDetokenizer:
     def update(self, token_ids: list[int]) -> str:
         """Bring `text` up to date with `token_ids`; returns the text added."""
         full = self.decode(token_ids[self.prefix_offset:])
-        if len(full) <= len(self.prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(self.prefix) or full.endswith("\ufffd"):  # (a character split over tokens)
             return ""
         new = full[len(self.prefix):]
         if self.read_offset - self.prefix_offset >= WINDOW:  # (the last read ones: the context)

@@ -57,7 +57,7 @@ class DPCoordinator:
         if wave >= self.wave:
             self.wave, self.wave_running = wave + 1, False
 
-    # ---- what /metrics and admission read, over every live core -------------------------
+    # what /metrics and admission read, over every live core
     def total(self, name: str) -> int:
         return sum(getattr(self.stats[i], name) for i in self.live())
 

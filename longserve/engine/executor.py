@@ -37,8 +37,6 @@ def shutdown_all() -> None:
         executor.shutdown()
 
 
-
-
 def process_state(pid: int) -> str:
     """One letter of /proc/<pid>/stat: R running, S sleeping, T stopped, Z zombie; '?' if gone."""
     try:
@@ -143,7 +141,6 @@ class Executor:
             raise RuntimeError(self.failure)
         return message
 
-
     def _raise_if_failed(self) -> None:
         if self.failure:
             raise RuntimeError(self.failure)
@@ -158,31 +155,24 @@ class Executor:
             raise SystemExit(0)  # a worker's job ends with the driver's shutdown
         return Worker(config, 0, "env://", local)
 
-    # ---- waiting on the other ranks ---------------------------------------------------
     @contextlib.contextmanager
     def _waiting_for(self, what: str):
         """Explain a failure while rank 0 waits for `what` (naming the rank to blame)."""
         try:
             yield
         except Exception as e:
-            explained = self._explain(e, what)
-            if explained is e:
+            if self.world == 1 and not self.own:
                 raise
-            raise explained from e
-
-    def _explain(self, e: Exception, what: str) -> Exception:
-        if self.world == 1 and not self.own:
-            return e
-        deadline = time.monotonic() + 2.0  # a closed connection: let the watchdog see who died
-        while self.procs and self.failure is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        timed_out = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
-        if self.failure is None and timed_out:
-            self.failure = self._unresponsive(what)
-        if self.failure is None:
-            return e
-        where = "" if self.failure.endswith(what) else f" while {what}"
-        return RuntimeError(f"{self.failure}{where}; the engine cannot continue")
+            deadline = time.monotonic() + 2.0  # a closed connection: let the watchdog see who died
+            while self.procs and self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            timed_out = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
+            if self.failure is None and timed_out:
+                self.failure = self._unresponsive(what)
+            if self.failure is None:
+                raise
+            where = "" if self.failure.endswith(what) else f" while {what}"
+            raise RuntimeError(f"{self.failure}{where}; the engine cannot continue") from e
 
     def _unresponsive(self, what: str) -> str:
         """The failure naming the workers to blame: stopped ones, else those behind the plan."""
@@ -192,7 +182,6 @@ class Executor:
                  else ", ".join(map(str, behind or self.worker_ranks)))
         return f"worker rank {ranks} did not respond within {self.timeout:g} s while {what}"
 
-    # ---- steps ------------------------------------------------------------------------
     def execute_async(self, out: SchedulerOutput) -> "PendingStep":
         """Launch a step: every rank gets its plan, rank 0's kernels are queued; see PendingStep."""
         if self.failure:
@@ -241,7 +230,6 @@ class Executor:
                                             "the workers were stopped)")
             self._teardown()
 
-    # ---- shutting down ----------------------------------------------------------------
     def _aggregate(self, result):
         """With a KV connector: every rank's report, united (KV transfer runs with dp == 1)."""
         if self.kv_aggregator is None:

@@ -32,7 +32,6 @@ class KVCacheManager:
         self.num_cached_tokens_queried = 0  # prompt tokens looked up
         self.on_evict = None  # (block id, block hash) -> None: a cached block is taken for new data
 
-    # ---- pool -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -59,7 +58,6 @@ class KVCacheManager:
         blocks, self.newly_allocated = self.newly_allocated, []
         return blocks
 
-    # ---- requests ---------------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
 

@@ -10,7 +10,7 @@ import os
 import queue
 import time
 
-from longserve.config import EngineConfig
+from longserve.config import EngineConfig, refuse
 from longserve.distributed.parallel_state import launched_by_torchrun
 from longserve.engine.core_client import FrontEnd, InprocClient, MPClient
 from longserve.engine.dp_coordinator import DPCoordinator
@@ -67,11 +67,9 @@ class LLMEngine:
         self.startup = describe(self.startup_phases, core["ranks"])
         logger.info("engine %s", self.startup)
 
-    # ---- tokens and text --------------------------------------------------------------
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError(f"{self.config.model.path!r} has no tokenizer (tokenizer.json); "
-                             "pass {'prompt_token_ids': [...]} instead of text")
+        refuse(self.tokenizer is None, f"{self.config.model.path!r} has no tokenizer (tokenizer.json); "
+               "pass {'prompt_token_ids': [...]} instead of text")
         # the _batch calls let go of the GIL while they work: a long prompt tokenized on a
         # server's thread leaves its event loop running (encode holds it throughout)
         return self.tokenizer.encode_batch([prompt], add_special_tokens=add_special_tokens)[0].ids
@@ -79,15 +77,13 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict], chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> dict:
         """A conversation -> {"prompt": text, "prompt_token_ids": ...}; the template writes any BOS itself."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.config.model.path!r} has no tokenizer; chat needs one")
+        refuse(self.tokenizer is None, f"{self.config.model.path!r} has no tokenizer; chat needs one")
         text = render_chat(self.tokenizer_info, messages, add_generation_prompt, chat_template)
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode_batch([token_ids])[0]
 
-    # ---- the door ---------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams,
                      data_parallel_rank: int | None = None) -> EngineCoreRequest:
         """A request from a validated prompt (inputs.py) and params; data_parallel_rank pins it."""
@@ -99,49 +95,41 @@ class LLMEngine:
         self.check_prompt(ids)
         self.check_params(params, len(ids))
         kv_params = (params.extra_args or {}).get("kv_transfer_params")
-        if kv_params is not None and not isinstance(kv_params, dict):
-            raise ValueError(f"kv_transfer_params must be a dict, got {type(kv_params).__name__}")
+        refuse(kv_params is not None and not isinstance(kv_params, dict),
+               f"kv_transfer_params must be a dict, got {type(kv_params).__name__}")
         req = EngineCoreRequest(f"{self._id_prefix}{next(self._ids)}", ids, params, self.config.model.eos_token_ids,
                                 time.perf_counter(), data_parallel_rank, kv_params or None, text)
         if kv_params:
-            if params.prompt_logprobs is not None:
-                raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: the "
-                                 "prompt's KV is loaded, not computed (ask the producer for them)")
-            if self.config.kv_transfer.kv_role is None:
-                raise ValueError("kv_transfer_params need an instance started with a kv_role "
-                                 "(kv_transfer_config={'kv_role': 'kv_consumer'})")
+            refuse(params.prompt_logprobs is not None, "prompt_logprobs cannot be combined with "
+                   "kv_transfer_params: the prompt's KV is loaded, not computed (ask the producer for them)")
+            refuse(self.config.kv_transfer.kv_role is None, "kv_transfer_params need an instance "
+                   "started with a kv_role (kv_transfer_config={'kv_role': 'kv_consumer'})")
             from longserve.kv_transfer.p2p import validate_kv_transfer_params
             validate_kv_transfer_params(self.config, kv_params, ids)
         return req
 
     def check_prompt(self, ids: list[int]) -> None:
         max_len, vocab = self.config.scheduler.max_model_len, self.config.model.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_len}, which "
-                             "leaves no room for output (raise max_model_len or shorten the prompt)")
+        refuse(not ids, "the prompt is empty")
+        refuse(len(ids) >= max_len, f"the prompt has {len(ids)} tokens; max_model_len is {max_len}, which "
+               "leaves no room for output (raise max_model_len or shorten the prompt)")
         bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        refuse(bad, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """Checks that need the model or the pool (the request must fit the pool alone)."""
-        vocab = self.config.model.vocab_size
+        vocab, max_seqs = self.config.model.vocab_size, self.config.scheduler.max_num_seqs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > vocab:
-                raise ValueError(f"{name} must be in [0, {vocab}] (the vocabulary), got {k}")
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n must be at most max_num_seqs={self.config.scheduler.max_num_seqs} "
-                             f"(the choices run together), got {params.n}")
-        if params.n > 1 and self.config.kv_transfer.kv_role in ("kv_producer", "kv_both"):
-            raise ValueError("n must be 1 on a KV producer instance (it hands one prompt's KV to a "
-                             "decode instance; ask that one for several choices)")
+            refuse(k is not None and k > vocab, f"{name} must be in [0, {vocab}] (the vocabulary), got {k}")
+        refuse(params.n > max_seqs, f"n must be at most max_num_seqs={max_seqs} (the choices run together), "
+               f"got {params.n}")
+        refuse(params.n > 1 and self.config.kv_transfer.kv_role in ("kv_producer", "kv_both"),
+               "n must be 1 on a KV producer instance (it hands one prompt's KV to a decode instance; "
+               "ask that one for several choices)")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
             bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
+            refuse(bad, f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
         check_request_fits(num_prompt_tokens, params.max_tokens, self.config.scheduler.max_model_len,
                            self.num_blocks, self.tokens_per_block)
         if params.structured_outputs is not None:
@@ -153,17 +141,17 @@ class LLMEngine:
             from longserve.engine.structured_output import GrammarCompiler
             m = self.config.model
             self._grammars = GrammarCompiler(self.tokenizer, m.vocab_size, m.eos_token_ids)
-        self._grammars.check(so)
+        self._grammars.compile(*so.key)
 
-    # ---- requests in flight -----------------------------------------------------------
     def add_request(self, request: EngineCoreRequest, loop=None,
                     sink: queue.SimpleQueue | None = None) -> RequestStream | queue.SimpleQueue:
         """Queue a validated request: its deltas go to a new RequestStream (read by a thread, or by
         `loop`), or with `sink` its final RequestOutput goes there."""
         if self.error is not None or self._closed:
             raise EngineDeadError(self.error or "the engine is shutting down")
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise EngineOverloadedError(f"{self.num_waiting} requests are waiting "
+        waiting = self.coordinator.num_waiting()  # racy: as last reported
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            raise EngineOverloadedError(f"{waiting} requests are waiting "
                                         f"(--max-waiting {self.max_waiting}); try again later")
         core = self.coordinator.choose(request.data_parallel_rank)
         if core in self.coordinator.dead:
@@ -212,38 +200,20 @@ class LLMEngine:
         else:
             self.output.fail(EngineDeadError(reason), core)
 
-    # ---- what the server reads --------------------------------------------------------
     @property
     def healthy(self) -> bool:
         """Every core alive (a dead one makes /health answer 503, even if others serve)."""
         return self.error is None and not self._closed and not self.coordinator.dead
 
-    @property
-    def num_running(self) -> int:
-        return self.coordinator.total("num_running")
-
-    @property
-    def num_waiting(self) -> int:  # racy: admission and gauges
-        return self.coordinator.num_waiting()
-
-    def kv_cache_usage(self) -> float:
-        return self.coordinator.kv_usage()
-
-    def prefix_cache_tokens(self) -> tuple[int, int]:
-        """(prompt tokens looked up, found) in the prefix cache, over every core."""
-        return self.coordinator.total("prefix_queries"), self.coordinator.total("prefix_hits")
-
     def info(self) -> dict:
         """What the engine holds (the server's start-up banner)."""
-        c, par = self.config, self.config.parallel
+        c = self.config
+        sizes = {k: getattr(c.parallel, k) for k in ("tensor_parallel_size", "prefill_context_parallel_size",
+                                                     "decode_context_parallel_size", "data_parallel_size")}
         return dict(model=c.model.path, dtype=str(c.dtype).removeprefix("torch."), device=c.device,
-                    device_names=[n for i in self.infos for n in i["device_names"]],
-                    tensor_parallel_size=par.tensor_parallel_size,
-                    prefill_context_parallel_size=par.prefill_context_parallel_size,
-                    decode_context_parallel_size=par.decode_context_parallel_size,
-                    data_parallel_size=par.data_parallel_size, num_gpu_blocks=self.num_blocks,
-                    tokens_per_block=self.tokens_per_block, max_model_len=c.scheduler.max_model_len,
-                    cudagraph_capture_s=self.infos[0]["cudagraph_capture_s"],
+                    device_names=[n for i in self.infos for n in i["device_names"]], **sizes,
+                    num_gpu_blocks=self.num_blocks, tokens_per_block=self.tokens_per_block,
+                    max_model_len=c.scheduler.max_model_len, cudagraph_capture_s=self.infos[0]["cudagraph_capture_s"],
                     load_s=max(i["load_s"] for i in self.infos), startup=self.startup)
 
     @property
@@ -279,5 +249,5 @@ class LLMEngine:
 
 
 def check_dp_rank(rank, dp_size: int) -> None:
-    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < dp_size):
-        raise ValueError(f"data_parallel_rank must be an integer in [0, {dp_size}), got {rank!r}")
+    refuse(rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < dp_size),
+           f"data_parallel_rank must be an integer in [0, {dp_size}), got {rank!r}")

@@ -63,12 +63,8 @@ class Request:
 
     def scheduled_token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) for the plan: PLACEHOLDER where the token is still on the device."""
-        known = self.num_tokens
-        if start >= known:  # all on the device: an asynchronous decode step's usual case
-            return [PLACEHOLDER] * (end - start)
-        if end <= known:
-            return self.token_ids_slice(start, end)
-        return self.token_ids_slice(start, known) + [PLACEHOLDER] * (end - known)
+        k = max(start, min(end, self.num_tokens))  # the known ones end here
+        return self.token_ids_slice(start, k) + [PLACEHOLDER] * (end - k)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -59,7 +59,6 @@ class Scheduler:
         """Blocks held for a transfer or loads in flight: the workers must keep stepping."""
         return bool(self.loading or self.held or (self.connector and self.connector.has_pending()))
 
-    # ---- planning -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan: list[tuple[Request, int]] = []
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
@@ -252,7 +251,6 @@ class Scheduler:
             return None, 0
         return req.prompt_token_ids[first:last + 1], first - 1 - start
 
-    # ---- results ----------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, dict[int, float]] | None = None,
                            prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
@@ -359,7 +357,6 @@ class Scheduler:
                 return
         self.kv.free(req)
 
-    # ---- KV transfers -----------------------------------------------------------------
     def update_kv_transfers(self, kv_out) -> list[Request]:
         """Apply the workers' united connector report; returns requests that failed for good."""
         for req_id in kv_out.finished_sending:

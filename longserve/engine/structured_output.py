@@ -12,7 +12,6 @@ import torch
 
 from longserve.config import ModelConfig
 from longserve.engine.request import Request
-from longserve.sampling_params import StructuredOutputsParams
 from longserve.step_plan import SchedulerOutput
 
 
@@ -48,9 +47,6 @@ class GrammarCompiler:
         except Exception as e:  # xgrammar's messages start with a time and a C++ source line
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
             raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {reason}") from None
-
-    def check(self, so: StructuredOutputsParams) -> None:
-        self.compile(*so.key)
 
 
 class GrammarState:

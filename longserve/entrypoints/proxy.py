@@ -1,9 +1,5 @@
-"""`longserve proxy --prefill URL --decode URL`: a disaggregated pair behind one OpenAI endpoint
-(docs/architecture.md, 'Layers': without --prefill, and --local-prefill-tokens). A request goes to
-the prefill instance with one output token and `kv_transfer_params: {"do_remote_decode": true}`,
-then to the decode instance with the params that came back; its answer is relayed as is, and a
-client gone closes the decode stream (one gone before the prefill answers gets no decode). A short
-prompt prefilled where it decodes costs the decode instance less than the hop and the transfer."""
+"""`longserve proxy`: a prefill / decode pair behind one OpenAI endpoint: one token on --prefill, then
+--decode with the kv_transfer_params that came back (docs/architecture.md, 'Layers')."""
 from __future__ import annotations
 
 import argparse

@@ -60,18 +60,19 @@ class EngineCollector(Collector):
         self.get_core, self.model_name = get_core, model_name
 
     def collect(self):
-        core = self.get_core()
-        if core is None:  # still loading
+        engine = self.get_core()
+        if engine is None:  # still loading
             return
-        queried, hits = core.prefix_cache_tokens()
+        c = engine.coordinator  # the cores' last reports, over the live ones
         for kind, name, doc, value in (
-                (GaugeMetricFamily, "num_requests_running", "Requests in model steps.", core.num_running),
-                (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to run.", core.num_waiting),
+                (GaugeMetricFamily, "num_requests_running", "Requests in model steps.", c.total("num_running")),
+                (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to run.", c.num_waiting()),
                 (GaugeMetricFamily, "kv_cache_usage_perc",
-                 "KV-cache usage: 1 means 100 percent of the blocks are in use.", core.kv_cache_usage()),
+                 "KV-cache usage: 1 means 100 percent of the blocks are in use.", c.kv_usage()),
                 (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 queried),
-                (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)):
+                 c.total("prefix_queries")),
+                (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 c.total("prefix_hits"))):
             family = kind(f"vllm:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family

@@ -25,7 +25,6 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-# ---- requests ---------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -138,7 +137,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
 
 
-# ---- responses (completions and chat: plain dicts, serving_engine.response_body) ----------
+# responses (completions and chat: plain dicts, serving_engine.response_body)
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
