@@ -6,7 +6,7 @@ Llama-3-8B: 32 / 8; head_dim 128, bf16, ~1152 cached tokens a request) for sever
 --long: long-context decode, bf16 and FP8 caches: Llama-3-8B at 128K batch 1, and the one-KV-head
 shape (32 query heads on one KV head; tp=2 holds 16 of them over the whole context, tp=2 x dcp=2
 all 32 over half) at 128K batch 1 and 64 x 32K. --sweep bf16 fp8 / --split-sweep: split decode's
-knobs per cache dtype, and the split count. Each call is replayed in a CUDA graph; GB/s counts the K and V bytes
+knobs per cache dtype, and the split count; --share-sweep: decode's minimum share. Each call is replayed in a CUDA graph; GB/s counts the K and V bytes
 a call must read once (the split partials it writes and merges are overhead, not counted); decode's
 work-item plan (plan_decode, once a step for all layers) is built outside the timing.
 """
@@ -177,6 +177,30 @@ def split_sweep(page):
             print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {s}{mark} | {us:.1f} | {gbs:.0f} |", flush=True)
 
 
+def share_sweep(page, shares=(256, 512, 1024, 2048)):
+    """Decode's minimum share (tk.MIN_SHARE, a work item's fewest KV tokens) on the long shapes, both
+    cache dtypes, and the mixed batches (bf16): fewer, longer items write fewer partials (one KV
+    head: G = 16-32 query heads' partials an item) but fill fewer SMs."""
+    def mixed_us(row):
+        name, hq, hkv, *lens = row
+        case, _ = mixed_case(hq, hkv, page, *lens)
+        plan = tk.plan_decode(case["kv_lens"], hq, hkv, 128)
+        return timed_us(lambda: tk.paged_attention_lse(**case, plan=plan))
+
+    cases = [(f"{row[0]} | {'fp8' if fp8 else 'bf16'}", lambda row=row, fp8=fp8: bench(*row[1:3], page, *row[3:], fp8)[0])
+             for row in LONG for fp8 in (False, True)]
+    cases += [(f"{row[0]} | bf16", lambda row=row: mixed_us(row)) for row in MIXED]
+    saved = tk.MIN_SHARE
+    print("\n| shape | KV | " + " | ".join(f"min share {m}" for m in shares) + " |\n|" + " --- |" * (2 + len(shares)))
+    for name, run in cases:
+        us = []
+        for m in shares:
+            tk.MIN_SHARE = m  # (plan_decode reads it when it plans)
+            us.append(run())
+        print(f"| {name} | " + " | ".join(f"{u:.1f}" for u in us) + " |", flush=True)
+    tk.MIN_SHARE = saved
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reqs", type=int, default=256)
@@ -187,12 +211,15 @@ def main():
                     help="split decode's tile / warps / stages per long shape, per cache dtype")
     ap.add_argument("--shapes", type=int, nargs="*", default=None, help="LONG rows to sweep (indices)")
     ap.add_argument("--split-sweep", action="store_true")
+    ap.add_argument("--share-sweep", action="store_true", help="decode's minimum share, long and mixed shapes")
     ap.add_argument("--mixed", action="store_true", help="only mixed batches: short requests beside a long one")
     args = ap.parse_args()
     print(f"\n### Decode attention ({torch.cuda.get_device_name()})")
     if args.mixed:
         mixed_table(args.page)
-    if not (args.long or args.sweep or args.split_sweep or args.mixed):
+    if args.share_sweep:
+        share_sweep(args.page)
+    if not (args.long or args.sweep or args.split_sweep or args.mixed or args.share_sweep):
         print(f"\n{args.reqs} requests x {args.ctx} tokens\n\n| heads (q/kv) | page | median (us) | KV read GB/s |"
               "\n| --- | --- | --- | --- |")
         for (hq, hkv), page in itertools.product(((16, 8), (32, 8)), (16, 32, 64, 128)):
