@@ -394,6 +394,32 @@ def test_the_warm_up_runs_every_request_bucket_with_and_without_splits(monkeypat
     assert {(False, 256, torch.bfloat16, True), (False, 512, torch.bfloat16, True)} <= seen
 
 
+def test_kernel_first_launches_load_one_at_a_time(monkeypatch):
+    """The warm-up compiles in threads; a kernel's first launch then loads its launcher and binary
+    (CompiledKernel._init_handles), which Triton does not guard: those loads never overlap."""
+    import threading
+    import time
+
+    from triton.compiler.compiler import CompiledKernel
+    tk = _kernels()
+    inside, most = [0], [0]
+
+    def load(self):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.01)  # (a load takes a while: another thread would enter now)
+        inside[0] -= 1
+    monkeypatch.setattr(CompiledKernel, "_init_handles", load)
+    tk._serialize_launcher_loads()
+    tk._serialize_launcher_loads()  # (idempotent: one lock, not two wrappers)
+    threads = [threading.Thread(target=CompiledKernel._init_handles, args=(None,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+
+
 def check_decode_items(device="cpu", examples=15):
     """Decode's work items (_plan_items_kernel), for all batches: each request's n >= 1 consecutive
     items have one share (whole tiles) and cover its KV; <= R + budget items in all; no share past

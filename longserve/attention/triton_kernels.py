@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -637,9 +638,30 @@ def run_in_threads(calls: list, device: torch.device) -> None:
         for call in calls:
             call()
         return
+    _serialize_launcher_loads()
     with ThreadPoolExecutor(int(os.environ.get("LONGSERVE_COMPILE_THREADS", 8)),
                             initializer=torch.cuda.set_device, initargs=(device,)) as pool:
         list(pool.map(lambda call: call(), calls))
+
+
+_LAUNCHER_LOADS = threading.Lock()
+
+
+def _serialize_launcher_loads() -> None:
+    """A kernel's first launch loads its launcher (Triton 3.6: a module built for its signature, every
+    one under the same name) and its binary. Two threads loading at once could bind a kernel to
+    another's launcher (start-up failed with "function takes exactly 56 arguments (36 given)"): the
+    loads go one at a time, the compiles before them still in parallel."""
+    from triton.compiler.compiler import CompiledKernel
+    load = CompiledKernel._init_handles
+    if getattr(load, "serialized", False):
+        return
+
+    def serialized(self):
+        with _LAUNCHER_LOADS:
+            return load(self)
+    serialized.serialized = True
+    CompiledKernel._init_handles = serialized
 
 
 # ---- merge of two partial attention states (e.g. prefix over the cache + causal suffix) ------
