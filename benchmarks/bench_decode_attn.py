@@ -6,9 +6,10 @@ Llama-3-8B: 32 / 8; head_dim 128, bf16, ~1152 cached tokens a request) for sever
 --long: long-context decode, bf16 and FP8 caches: Llama-3-8B at 128K batch 1, and the one-KV-head
 shape (32 query heads on one KV head; tp=2 holds 16 of them over the whole context, tp=2 x dcp=2
 all 32 over half) at 128K batch 1 and 64 x 32K. --sweep bf16 fp8 / --split-sweep: split decode's
-knobs per cache dtype, and the split count; --share-sweep: decode's minimum share. Each call is replayed in a CUDA graph; GB/s counts the K and V bytes
-a call must read once (the split partials it writes and merges are overhead, not counted); decode's
-work-item plan (plan_decode, once a step for all layers) is built outside the timing.
+knobs per cache dtype, and the split count; --share-sweep: decode's minimum share. Each call is
+replayed in a CUDA graph; GB/s counts the K and V bytes a call must read once (the split partials
+it writes and merges are overhead, not counted); decode's work-item plan (plan_decode, once a step
+for all layers) is built outside the timing.
 """
 import argparse
 import itertools
@@ -187,11 +188,16 @@ def share_sweep(page, shares=(256, 512, 1024, 2048)):
         plan = tk.plan_decode(case["kv_lens"], hq, hkv, 128)
         return timed_us(lambda: tk.paged_attention_lse(**case, plan=plan))
 
-    cases = [(f"{row[0]} | {'fp8' if fp8 else 'bf16'}", lambda row=row, fp8=fp8: bench(*row[1:3], page, *row[3:], fp8)[0])
+    def long_us(row, fp8):
+        name, hq, hkv, reqs, ctx = row
+        return bench(hq, hkv, page, reqs, ctx, fp8)[0]
+
+    cases = [(f"{row[0]} | {'fp8' if fp8 else 'bf16'}", lambda row=row, fp8=fp8: long_us(row, fp8))
              for row in LONG for fp8 in (False, True)]
     cases += [(f"{row[0]} | bf16", lambda row=row: mixed_us(row)) for row in MIXED]
     saved = tk.MIN_SHARE
-    print("\n| shape | KV | " + " | ".join(f"min share {m}" for m in shares) + " |\n|" + " --- |" * (2 + len(shares)))
+    print("\n| shape | KV | " + " | ".join(f"min share {m}" for m in shares) + " |")
+    print("|" + " --- |" * (2 + len(shares)))
     for name, run in cases:
         us = []
         for m in shares:

@@ -21,7 +21,6 @@ import traceback
 import pytest
 import torch
 import triton
-import triton.language as tl
 from hypothesis import given, settings, strategies as st
 
 from interpreter_utils import speed_up_interpreter
