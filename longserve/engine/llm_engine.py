@@ -149,8 +149,8 @@ class LLMEngine:
         `loop`), or with `sink` its final RequestOutput goes there."""
         if self.error is not None or self._closed:
             raise EngineDeadError(self.error or "the engine is shutting down")
-        waiting = self.coordinator.num_waiting()  # racy: as last reported
-        if self.max_waiting is not None and waiting >= self.max_waiting:
+        # (the count is racy: as last reported; read only when admission is bounded)
+        if self.max_waiting is not None and (waiting := self.coordinator.num_waiting()) >= self.max_waiting:
             raise EngineOverloadedError(f"{waiting} requests are waiting "
                                         f"(--max-waiting {self.max_waiting}); try again later")
         core = self.coordinator.choose(request.data_parallel_rank)
