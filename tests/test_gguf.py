@@ -17,7 +17,7 @@ from longserve import LLM, SamplingParams
 from longserve.models import smollm2
 from longserve.models.builtin import write_tokenizer
 from longserve.models.gguf_dequant import SUPPORTED_TYPES, dequantize
-from longserve.models.gguf_loader import unpermute_rotary_rows
+from longserve.models.gguf_loader import open_gguf, unpermute_rotary_rows
 from longserve.models.gguf_tokenizer import gguf_tokenizer
 
 VOCAB = 311
@@ -54,6 +54,41 @@ def test_dequantize_real_file_tensors(smollm2_gguf):
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         assert same_bits(dequantize(t.data, t.tensor_type, shape).numpy(), ref), t.name
+
+
+def reference_read(path: str) -> tuple[dict, list]:
+    """gguf's own GGUFReader: (metadata as plain values, [(name, type, torch-order shape, bytes)])."""
+    reader = gguf.GGUFReader(path)
+    def value(field):
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            return [field.contents(i) for i in range(len(field.data))]
+        return field.contents()
+    meta = {k: value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return meta, [(t.name, t.tensor_type, tuple(int(n) for n in reversed(t.shape.tolist())),
+                   np.asarray(t.data).view(np.uint8).tobytes()) for t in reader.tensors]
+
+
+def test_reader_equals_gguf_reader(smollm2_gguf, tmp_path):
+    """Our parse of the header, metadata (every value type) and tensor table equals gguf's."""
+    path = str(tmp_path / "types.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for kind, value in dict(uint8=200, int8=-5, uint16=60000, int16=-300, uint32=4_000_000_000,
+                            int32=-70000, float32=1.5, uint64=2**40, int64=-2**40, float64=0.1).items():
+        getattr(w, f"add_{kind}")(f"t.{kind}", value)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "ünïcødé 🤖")
+    w.add_array("t.ints", [3, -1, 7])
+    w.add_array("t.floats", [0.5, -2.25])
+    w.add_array("t.strs", ["a", "", "b c"])
+    w.add_tensor("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("b.weight", gguf.quants.quantize(np.ones((2, 64), np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    for file in (path, smollm2_gguf):
+        meta, tensors = open_gguf(file)
+        ref_meta, ref_tensors = reference_read(file)
+        assert meta == ref_meta
+        assert [(t.name, t.tensor_type, t.shape, t.data.tobytes()) for t in tensors] == ref_tensors
+    assert open_gguf(path)[0]["t.int64"] == -2**40 and open_gguf(path)[0]["t.float64"] == 0.1
 
 
 def test_unsupported_type_is_named():

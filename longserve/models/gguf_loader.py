@@ -1,12 +1,15 @@
-"""GGUF checkpoints (llama.cpp's single-file format) through the `gguf` package: the metadata as a HF-style
-config dict, every tensor dequantized to float32 under its HF name (loader.py slices it); llama.cpp's
-q/k row permutation for GPT-J-style RoPE is undone (ours is Neox style, as HF's)."""
+"""GGUF checkpoints (llama.cpp's single-file format): the header read here, the metadata as a HF-style
+config dict, every tensor dequantized to float32 (by the `gguf` package) under its HF name (loader.py
+slices it); llama.cpp's q/k row permutation for GPT-J-style RoPE is undone (ours is Neox style, as HF's)."""
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,31 +28,89 @@ def is_gguf(path: str) -> bool:
     return path.endswith(".gguf")
 
 
+# GGUF's value types (the spec's numbering): fixed-size ones by struct code; 8 string, 9 array
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order (GGUF lists dimensions fastest-first)
+    tensor_type: int  # GGMLQuantizationType
+    data: np.ndarray  # its raw bytes, a view of the memory-mapped file
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, moving forward."""
+
+    def __init__(self, buf):
+        self.buf, self.at = buf, 0
+
+    def scalar(self, code: str):
+        (value,) = struct.unpack_from("<" + code, self.buf, self.at)
+        self.at += struct.calcsize(code)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        self.at += n
+        return str(self.buf[self.at - n:self.at], "utf-8")
+
+    def value(self, kind: int):
+        if kind == STRING:
+            return self.string()
+        if kind != ARRAY:
+            return self.scalar(SCALARS[kind])
+        kind, n = self.scalar("I"), self.scalar("Q")
+        if kind in SCALARS:  # one numpy read, not n struct calls (a vocabulary's scores, types)
+            dtype = np.dtype("<" + SCALARS[kind])
+            values = np.frombuffer(self.buf, dtype, n, self.at).tolist()
+            self.at += n * dtype.itemsize
+            return values
+        return [self.value(kind) for _ in range(n)]
+
+
 @functools.lru_cache(maxsize=2)
-def open_gguf(path: str):
-    """The file's GGUFReader, one per process and file (memory-mapped; parsing takes a second or two)."""
-    from gguf import GGUFReader
+def open_gguf(path: str) -> tuple[dict, list[GGUFTensor]]:
+    """The file's metadata and tensors, one read per process and file (memory-mapped). Parsed here,
+    not by gguf's GGUFReader, which takes seconds on a 49K-token vocabulary (a numpy view a string)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, KeyError, struct errors, ...
+        with open(path, "rb") as f:
+            return _read_gguf(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    except Exception as e:  # struct errors, bad UTF-8, unknown value types, a short file, ...
         raise ValueError(f"{path!r} is not a readable GGUF file: {type(e).__name__}: {e}") from None
 
 
-def field_value(field):
-    """A metadata field's value: str, int, float, bool, or a list of them."""
-    from gguf import GGUFValueType as V
-    def one(part, kind):
-        return bytes(part).decode("utf-8") if kind == V.STRING else part.tolist()[0]
-    if field.types[0] == V.ARRAY:
-        return [one(field.parts[i], field.types[-1]) for i in field.data]
-    return one(field.parts[field.data[0]], field.types[0])
+def _read_gguf(buf: mmap.mmap) -> tuple[dict, list[GGUFTensor]]:
+    """Header, metadata, tensor infos, then the data at the next multiple of general.alignment."""
+    from gguf import GGML_QUANT_SIZES
+    c = _Cursor(buf)
+    if c.scalar("I") != 0x46554747 or c.scalar("I") not in (2, 3):  # b"GGUF", then the version
+        raise ValueError("not GGUF version 2 or 3 (little-endian)")
+    num_tensors, num_fields = c.scalar("Q"), c.scalar("Q")
+    meta = {c.string(): c.value(c.scalar("I")) for _ in range(num_fields)}
+    infos = []
+    for _ in range(num_tensors):
+        name, dims = c.string(), c.scalar("I")
+        infos.append((name, [c.scalar("Q") for _ in range(dims)], c.scalar("I"), c.scalar("Q")))
+    align = meta.get("general.alignment", 32)
+    start = -(-c.at // align) * align
+    tensors = []
+    for name, dims, kind, offset in infos:
+        block_size, type_size = GGML_QUANT_SIZES[kind]
+        size = int(np.prod(dims)) // block_size * type_size
+        if start + offset + size > len(buf):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        tensors.append(GGUFTensor(name, tuple(reversed(dims)), kind,
+                                  np.frombuffer(buf, np.uint8, size, start + offset)))
+    return meta, tensors
 
 
-@functools.lru_cache(maxsize=2)
 def gguf_metadata(path: str) -> dict:
-    return {name: field_value(f) for name, f in open_gguf(path).fields.items()}
+    return open_gguf(path)[0]
 
 
 def gguf_hf_config(path: str) -> dict:
@@ -71,7 +132,7 @@ def gguf_hf_config(path: str) -> dict:
     if get("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path!r}: partial rotary (rope.dimension_count "
                          f"{get('rope.dimension_count')} < head_dim {head_dim}) is not supported")
-    names = {t.name for t in open_gguf(path).tensors}
+    names = {t.name for t in open_gguf(path)[1]}
     if "rope_freqs.weight" in names:
         raise ValueError(f"{path!r} has per-dimension RoPE frequency factors (rope_freqs); "
                          "not supported: load the HF folder instead")
@@ -101,9 +162,9 @@ def rope_scaling(meta: dict, arch: str, path: str) -> dict | None:
 
 def tensor_shape(path: str, name: str) -> tuple[int, ...]:
     """Torch order: GGUF lists dimensions fastest-first, the reverse of a row-major shape."""
-    for t in open_gguf(path).tensors:
+    for t in open_gguf(path)[1]:
         if t.name == name:
-            return tuple(int(n) for n in reversed(t.shape.tolist()))
+            return t.shape
     raise ValueError(f"GGUF file {path!r} has no tensor {name!r}")
 
 
@@ -129,11 +190,10 @@ def gguf_tensors(path: str, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:
     from longserve.models.gguf_dequant import dequantize
     llama = hf["architectures"][0] == "LlamaForCausalLM"
     heads = {"q_proj": hf["num_attention_heads"], "k_proj": hf["num_key_value_heads"]}
-    for t in open_gguf(path).tensors:
+    for t in open_gguf(path)[1]:
         name = hf_tensor_name(t.name, path)
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         try:
-            tensor = dequantize(np.asarray(t.data), t.tensor_type, shape)
+            tensor = dequantize(t.data, t.tensor_type, t.shape)
         except ValueError as e:
             raise ValueError(f"tensor {t.name!r} in {path!r}: {e}") from None
         proj = name.split(".")[-2]
