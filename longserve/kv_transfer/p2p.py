@@ -189,7 +189,7 @@ class Held:
 class P2pConnectorWorker:
     def __init__(self, config, ps, device: torch.device):
         kvt = config.kv_transfer
-        self.config, self.kvt, self.device = config, kvt, device
+        self.kvt, self.device = kvt, device
         self.rank, self.layout = ps.model.rank_in_group, layout_of(config)
         self.groups = PairGroups(device, kvt.kv_transfer_timeout_s)
         self.caches: list[torch.Tensor] = []  # as words (as_words), one per cache

@@ -93,9 +93,11 @@ def plan_kv_pieces(local: KVLayout, remote: KVLayout, local_rank: int) -> list[K
     check_kv_dtype(local, remote)
     first, count = local.heads(local_rank)
     local_cp = local.cp_rank(local_rank)
+    # one period of both ownerships (they repeat with the lcm): the positions a CP pair can share
+    period = np.arange(np.lcm(local.interleave * local.cp_size, remote.interleave * remote.cp_size))
     pieces: list[KVPiece] = []
     for remote_cp in range(remote.cp_size):
-        if not _owners_meet(local, remote, local_cp, remote_cp):
+        if not ((local.owner(period) == local_cp) & (remote.owner(period) == remote_cp)).any():
             continue
         ranks = [r for r in range(remote.world_size) if remote.cp_rank(r) == remote_cp]
         for h in range(first, first + count):
@@ -109,13 +111,6 @@ def plan_kv_pieces(local: KVLayout, remote: KVLayout, local_rank: int) -> list[K
             else:
                 pieces.append(KVPiece(local_rank, r, local_cp, remote_cp, h - first, rh, 1))
     return pieces
-
-
-def _owners_meet(local: KVLayout, remote: KVLayout, local_cp: int, remote_cp: int) -> bool:
-    """Whether some position is owned by both CP ranks (ownership repeats with the lcm period)."""
-    period = np.lcm(local.interleave * local.cp_size, remote.interleave * remote.cp_size)
-    p = np.arange(period)
-    return bool(((local.owner(p) == local_cp) & (remote.owner(p) == remote_cp)).any())
 
 
 @dataclass

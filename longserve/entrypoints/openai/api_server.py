@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -64,7 +63,7 @@ def build_app(load_core: Callable[[], LLMEngine], served_names: list[str], api_k
     state = ServerState(served_names, api_key, chat_template, log_requests=log_requests, siblings=siblings)
     state.registry, state.metrics = make_registry(lambda: state.core, served_names[0])
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.create_task(_load(state, load_core, on_load_error))
         yield

@@ -35,10 +35,9 @@ class OpenAIServingChat:
 
     def render(self, req: ChatCompletionRequest) -> dict:
         """The prompt as the engine takes it (token ids: the template already holds BOS)."""
+        messages = message_dicts(req)
         try:
-            return self.core.encode_chat(message_dicts(req), self.template, req.add_generation_prompt)
-        except OpenAIError:
-            raise
+            return self.core.encode_chat(messages, self.template, req.add_generation_prompt)
         except Exception as e:  # no template, or the template refused the messages
             raise OpenAIError(f"chat template: {e}", param="messages") from None
 

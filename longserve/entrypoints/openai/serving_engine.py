@@ -294,13 +294,9 @@ async def sse_frames(core: LLMEngine, streams: list, frames: Frames, include_usa
         if include_usage:
             yield frames.chunk([], usage=usage(list(finals.values())))
     except Exception as e:
-        yield sse_error(e)
+        err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), 500, "server_error")
+        yield b"data: " + encode(err.body()) + b"\n\n"
     yield DONE
-
-
-def sse_error(e: Exception) -> bytes:
-    err = e if isinstance(e, OpenAIError) else OpenAIError(str(e), 500, "server_error")
-    return b"data: " + encode(err.body()) + b"\n\n"
 
 
 class TokenNames:
