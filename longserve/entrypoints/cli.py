@@ -81,7 +81,6 @@ def cmd_chat(args) -> None:
 
 
 def _read_line(tty: bool) -> str | None:
-    """The next non-empty line of stdin, None at EOF."""
     while True:
         try:
             line = input("> " if tty else "").strip()

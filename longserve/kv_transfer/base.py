@@ -10,7 +10,6 @@ from longserve.kv_transfer.utils import KVConnectorOutput
 
 
 def connector_output(worker_connector, finished_req_ids) -> KVConnectorOutput:
-    """One worker's report after a step."""
     sending, recving = worker_connector.get_finished(set(finished_req_ids))
     return KVConnectorOutput(set(sending), set(recving),
                              set(worker_connector.get_block_ids_with_load_errors()))
