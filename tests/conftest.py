@@ -1,6 +1,10 @@
+import contextlib
+import functools
 import os
 import tempfile
+from unittest import mock
 
+import numpy as np
 import pytest
 
 # Built-in models are written once per test session into a private cache folder.
@@ -43,16 +47,29 @@ def _hf_where(gguf_path: str) -> dict:
                 gguf_file=os.path.basename(gguf_path))
 
 
+@contextlib.contextmanager
+def fast_hf_gguf_reads():
+    """HF's GGUF loading, faster, computing the same: gguf's reader on a plain array (numpy.memmap's
+    __array_finalize__ on every slice was most of its ~25 s) and the tensor-name map built once (HF
+    builds it again for every tensor)."""
+    import gguf
+    with mock.patch("numpy.memmap", lambda path, dtype=np.uint8, mode="r", **_: np.fromfile(path, dtype)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map)):
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_gguf):
-    """HF transformers' tokenizer rebuilt from the same .gguf (~8 s: loaded once a session)."""
+    """HF transformers' tokenizer rebuilt from the same .gguf (loaded once a session)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(**_hf_where(smollm2_gguf))
+    with fast_hf_gguf_reads():
+        return AutoTokenizer.from_pretrained(**_hf_where(smollm2_gguf))
 
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf):
-    """HF transformers' model from the same .gguf, dequantized by HF itself, float32 (~20 s)."""
+    """HF transformers' model from the same .gguf, dequantized by HF itself, float32."""
     import torch
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(**_hf_where(smollm2_gguf), dtype=torch.float32).eval()
+    with fast_hf_gguf_reads():
+        return AutoModelForCausalLM.from_pretrained(**_hf_where(smollm2_gguf), dtype=torch.float32).eval()

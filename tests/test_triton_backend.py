@@ -25,7 +25,7 @@ def run(backend: str, **kw) -> list:
     llm = LLM("builtin:qwen3-tiny", device="cpu", attention_backend=backend, **kw)
     g = torch.Generator().manual_seed(3)
     ps = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()} for n in (6, 21, 40)]
-    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=8),
+    outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=8),
                         use_tqdm=False)
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
     llm.shutdown()
