@@ -2,6 +2,7 @@
 block b is kernel blocks b*k .. b*k+k-1, so its K and its V are two contiguous byte ranges."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections import defaultdict
@@ -15,34 +16,12 @@ import torch
 from longserve.attention.kv_cache_spec import AttentionGroup, KVCacheConfig, KVCacheGroupSpec, MultipleOf
 from longserve.config import CacheConfig, ParallelConfig, parse_dtype
 
-try:  # Triton is optional: CPU-only installs zero blocks with torch ops
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+# Triton is optional (CPU-only installs zero blocks with torch ops) and imported only where it runs:
+# ~0.3 s of every CPU process's start
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 GiB = 1 << 30
-
-# Bytes zeroed by one program: 16 KiB = 128 threads x 8 stores of 16 bytes.
-_MAX_CHUNK_BYTES = 16384
 _ALIGN = 16  # bytes; lets the kernel use 128-bit stores
-
-if triton is not None:
-
-    @triton.jit
-    def _zero_kv_blocks_kernel(seg_table_ptr, block_ids_ptr, CHUNK_BYTES: tl.constexpr):
-        """Zero chunk pid(2) of segment pid(1) of block block_ids[pid(0)]. seg_table: int64
-        [num_segments, 2] = (absolute address of the segment's block 0, bytes per block)."""
-        block_id = tl.load(block_ids_ptr + tl.program_id(0)).to(tl.int64)
-        seg = tl.program_id(1)
-        chunk_start = tl.program_id(2).to(tl.int64) * CHUNK_BYTES
-        seg_base = tl.load(seg_table_ptr + 2 * seg)
-        page_bytes = tl.load(seg_table_ptr + 2 * seg + 1)
-        if chunk_start < page_bytes:  # segments with smaller pages need fewer chunks
-            start = (seg_base + block_id * page_bytes + chunk_start).to(tl.pointer_type(tl.int32))
-            start = tl.multiple_of(start, 16)  # host checked 16-byte alignment: 128-bit stores
-            words = start + tl.arange(0, CHUNK_BYTES // 4)
-            tl.store(words, tl.zeros([CHUNK_BYTES // 4], dtype=tl.int32))
 
 
 def _manager_block_view(name: str, cache: torch.Tensor, manager_block_size: int,
@@ -69,8 +48,8 @@ class KVBlockZeroer:
         self.device = torch.device(device)
         # None: Triton on CUDA, torch elsewhere. True also works on CPU under TRITON_INTERPRET=1.
         if use_triton is None:
-            use_triton = self.device.type == "cuda" and triton is not None
-        if use_triton and triton is None:
+            use_triton = self.device.type == "cuda" and HAS_TRITON
+        if use_triton and not HAS_TRITON:
             raise RuntimeError("KVBlockZeroer(use_triton=True) needs triton installed")
         self.use_triton = use_triton
         self.views: list[torch.Tensor] = []  # [2, num_manager_blocks, -1] per distinct buffer
@@ -107,6 +86,8 @@ class KVBlockZeroer:
 
     def _build_segment_table(self) -> None:
         """(address, page bytes) of K and V of block 0 of each buffer; chunking that fits all."""
+        from longserve.worker.zero_kv_kernel import MAX_CHUNK_BYTES, zero_kv_blocks_kernel
+        self.kernel = zero_kv_blocks_kernel
         rows = [(v[plane].data_ptr(), v.stride(1) * v.element_size()) for v in self.views for plane in (0, 1)]
         if any(addr % _ALIGN or page % _ALIGN for addr, page in rows):
             self.use_triton = False  # never for real caches; the torch path handles any layout
@@ -114,7 +95,7 @@ class KVBlockZeroer:
         if len(rows) > 65535:
             raise ValueError(f"{len(rows)} KV segments exceed the CUDA grid limit of 65535")
         page_gcd = math.gcd(*(page for _, page in rows))
-        self.chunk_bytes = min(_MAX_CHUNK_BYTES, page_gcd & -page_gcd)  # a power of two >= 16
+        self.chunk_bytes = min(MAX_CHUNK_BYTES, page_gcd & -page_gcd)  # a power of two >= 16
         self.num_chunks = max(page for _, page in rows) // self.chunk_bytes
         self.seg_table = torch.tensor(rows, dtype=torch.int64, device=self.device)
 
@@ -125,7 +106,7 @@ class KVBlockZeroer:
             return
         if self.use_triton:
             grid = (ids.numel(), self.seg_table.shape[0], self.num_chunks)
-            _zero_kv_blocks_kernel[grid](self.seg_table, ids, CHUNK_BYTES=self.chunk_bytes, num_warps=4)
+            self.kernel[grid](self.seg_table, ids, CHUNK_BYTES=self.chunk_bytes, num_warps=4)
         else:  # as bytes: any cache dtype (float8 has no index_fill on CPU), all-zero bits = 0.0
             for view in self.views:
                 view.view(torch.uint8).index_fill_(1, ids, 0)
