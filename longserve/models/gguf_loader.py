@@ -49,7 +49,7 @@ class _Cursor:
 
     def scalar(self, code: str):
         (value,) = struct.unpack_from("<" + code, self.buf, self.at)
-        self.at += struct.calcsize(code)
+        self.at += struct.calcsize("<" + code)
         return value
 
     def string(self) -> str:
@@ -132,21 +132,22 @@ def gguf_hf_config(path: str) -> dict:
     if get("rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path!r}: partial rotary (rope.dimension_count "
                          f"{get('rope.dimension_count')} < head_dim {head_dim}) is not supported")
-    names = {t.name for t in open_gguf(path)[1]}
-    if "rope_freqs.weight" in names:
+    shapes = {t.name: t.shape for t in open_gguf(path)[1]}
+    if "rope_freqs.weight" in shapes:
         raise ValueError(f"{path!r} has per-dimension RoPE frequency factors (rope_freqs); "
                          "not supported: load the HF folder instead")
-    vocab = int(tensor_shape(path, "token_embd.weight")[0])
+    if "token_embd.weight" not in shapes:
+        raise ValueError(f"GGUF file {path!r} has no tensor 'token_embd.weight'")
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     return dict(
-        architectures=[ARCHITECTURES[arch]], vocab_size=vocab, hidden_size=hidden,
+        architectures=[ARCHITECTURES[arch]], vocab_size=shapes["token_embd.weight"][0], hidden_size=hidden,
         intermediate_size=get("feed_forward_length"), num_hidden_layers=get("block_count"),
         num_attention_heads=heads, num_key_value_heads=get("attention.head_count_kv", heads),
         head_dim=head_dim, rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
         rope_theta=get("rope.freq_base", 10000.0), rope_scaling=rope_scaling(meta, arch, path),
         max_position_embeddings=get("context_length"),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in shapes,
+        attention_bias="blk.0.attn_q.bias" in shapes,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=sorted(set(eos)),
         torch_dtype="float32")
 
@@ -158,14 +159,6 @@ def rope_scaling(meta: dict, arch: str, path: str) -> dict | None:
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     raise ValueError(f"{path!r}: RoPE scaling {kind!r} is not supported (none, linear)")
-
-
-def tensor_shape(path: str, name: str) -> tuple[int, ...]:
-    """Torch order: GGUF lists dimensions fastest-first, the reverse of a row-major shape."""
-    for t in open_gguf(path)[1]:
-        if t.name == name:
-            return t.shape
-    raise ValueError(f"GGUF file {path!r} has no tensor {name!r}")
 
 
 def hf_tensor_name(name: str, path: str) -> str:
