@@ -28,5 +28,8 @@ class IncrementalDetokenizer:
 def find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
     """Earliest stop string that ends within the last `num_new_chars` characters of `text`."""
     start = max(0, len(text) - num_new_chars - max(map(len, stops)) + 1)
+    if len(stops) == 1:  # the usual case, once per request a step: no list to build
+        at = text.find(stops[0], start)
+        return None if at < 0 else (at, stops[0])
     hits = [(at, s) for s in stops if (at := text.find(s, start)) >= 0]
     return min(hits) if hits else None

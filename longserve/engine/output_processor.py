@@ -26,7 +26,7 @@ class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting; try again later."""
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamOutput:
     """What one choice of a request produced since its previous output (a delta)."""
     request_id: str
@@ -90,7 +90,7 @@ class RequestStream:
                 raise error
 
 
-@dataclass
+@dataclass(slots=True)
 class Choice:
     """One choice of a request: its tokens, text and end."""
     index: int
@@ -105,7 +105,7 @@ class Choice:
     output: CompletionOutput | None = None  # at its end
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request: EngineCoreRequest
     sink: RequestStream | queue.SimpleQueue  # a stream of deltas, or a queue of final outputs
@@ -128,6 +128,7 @@ class OutputProcessor:
         self._states: dict[str, RequestState] = {}
         self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by the core's choice id
         self._lock = threading.Lock()
+        self._num_new, self._gaps = 0, []  # a process call's new tokens and their gaps (metrics)
 
     @property
     def num_unfinished(self) -> int:
@@ -149,6 +150,7 @@ class OutputProcessor:
         now, deliveries, stopped = time.perf_counter(), [], []
         entries = [(rid, (t,), PLAIN) for rid, t in zip(msg.token_req_ids, msg.token_ids)]
         with self._lock:
+            self._num_new, self._gaps = 0, []
             for rid, new, o in entries + [(o.request_id, o.new_token_ids, o) for o in msg.outputs]:
                 state, choice = self._choices.get(rid, (None, None))
                 if state is None:
@@ -161,6 +163,8 @@ class OutputProcessor:
                     text, upto = choice.detokenizer.text, len(choice.detokenizer.text) - state.holdback
                     deliveries.append((state.sink, self._stream_output(
                         state, choice, text[choice.text_sent:upto] if upto > choice.text_sent else "")))
+            if self.metrics is not None and self._num_new:  # once a call, not once a request
+                self.metrics.tokens(self._num_new, self._gaps)
         _deliver([d for d in deliveries if d[1] is not None])
         return stopped
 
@@ -262,14 +266,13 @@ class OutputProcessor:
     def _count_tokens(self, state: RequestState, choice: Choice, n_new: int, now: float) -> None:
         if n_new == 0:
             return
-        first, m = state.first_token_time is None, self.metrics
-        if first:
+        if state.first_token_time is None:
             state.first_token_time = now
-        if m is not None:
-            if first:
-                m.first_token(state.request.num_prompt_tokens, now - state.request.arrival_time)
-            # tokens that came out together share the gap; a choice's first has none
-            m.tokens(n_new, None if first or choice.last_time is None else (now - choice.last_time) / n_new)
+            if self.metrics is not None:
+                self.metrics.first_token(state.request.num_prompt_tokens, now - state.request.arrival_time)
+        elif self.metrics is not None and choice.last_time is not None:  # together: a shared gap
+            self._gaps += [(now - choice.last_time) / n_new] * n_new
+        self._num_new += n_new
         choice.last_time = now
 
 

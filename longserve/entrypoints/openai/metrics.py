@@ -41,10 +41,11 @@ class ServerMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.ttft.observe(ttft)
 
-    def tokens(self, n: int, gap: float | None) -> None:
-        """n tokens of a choice came out together, `gap` s apart each (None: its first)."""
+    def tokens(self, n: int, gaps: list[float]) -> None:
+        """n tokens came out in a core's step; `gaps`: the time since each one's previous token
+        (a choice's first has none)."""
         self.generation_tokens.inc(n)
-        for _ in range(n if gap is not None else 0):
+        for gap in gaps:
             self.itl.observe(gap)
 
     def finished(self, reason: str) -> None:  # per choice
