@@ -82,7 +82,7 @@ def run(batch: int, args) -> dict:
                      cpu_kv_cache_gb=1.0).create_engine_config()
     core = EngineCore(cfg)
     tok = load_tokenizer(cfg.model).tokenizer
-    front = OutputProcessor(lambda ids: tok.decode(ids, skip_special_tokens=True))  # (LLMEngine's)
+    front = OutputProcessor(tok)  # (LLMEngine's)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True,
                             stop=["never-in-the-text"] if args.stop else None)
     rng = np.random.default_rng(0)

@@ -71,26 +71,23 @@ def test_stop_string_waits_for_min_tokens(llm, pool_whole):
 
 
 def test_stop_strings_decode_only_the_new_tokens(llm, monkeypatch):
-    """Each step decodes a few tokens, never the whole output again."""
-    lengths = []
-    decode_all = llm.engine.output.decode
-
-    def recording(ids):
-        lengths.append(len(ids))
-        return decode_all(ids)
-
-    monkeypatch.setattr(llm.engine.output, "decode", recording)
+    """Each step reads only the new token (the stream's window); the whole output is decoded once,
+    for the final text."""
+    lengths, steps = [], []
+    decode_all, step = llm.engine.output.decode, IncrementalDetokenizer.update
+    monkeypatch.setattr(llm.engine.output, "decode", lambda ids: lengths.append(len(ids)) or decode_all(ids))
+    monkeypatch.setattr(IncrementalDetokenizer, "update",
+                        lambda self, ids: steps.append(len(ids) - self.num_read) or step(self, ids))
     out = llm.generate([{"prompt_token_ids": [1, 60, 61]}],
                        greedy(60, stop=["\x00never"]), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 60 and out.finish_reason == "length"
-    step_lengths = lengths[:-1]  # the last one is the final text of the output
-    assert len(step_lengths) >= 60 and max(step_lengths) <= 8
+    assert lengths == [60] and len(steps) >= 59 and max(steps) == 1
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 511), min_size=1, max_size=40))
 def test_incremental_text_equals_the_whole_decode(llm, ids):
-    detok = IncrementalDetokenizer(lambda t: decode(llm, t))
+    detok = IncrementalDetokenizer(llm.get_tokenizer())
     for i in range(1, len(ids) + 1):
         detok.update(ids[:i])
     whole = decode(llm, ids)

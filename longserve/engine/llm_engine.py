@@ -42,7 +42,7 @@ class LLMEngine:
         self.config, self.max_waiting = config, max_waiting
         self.tokenizer_info = load_tokenizer(config.model)
         self.tokenizer = self.tokenizer_info.tokenizer
-        self.output = OutputProcessor(self.decode)
+        self.output = OutputProcessor(self.tokenizer)
         self.error: str | None = None  # set when no core can serve any more
         self.log_requests = False  # an INFO line per request (the server's --enable-log-requests)
         self._closed = False
@@ -82,7 +82,7 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
     def decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode_batch([token_ids])[0]
+        return self.output.decode(token_ids)
 
     def make_request(self, prompt, params: SamplingParams,
                      data_parallel_rank: int | None = None) -> EngineCoreRequest:

@@ -11,7 +11,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from longserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from longserve.engine.detokenizer import IncrementalDetokenizer, decode, find_stop
 from longserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from longserve.engine.request import CompletionOutput, RequestOutput
 
@@ -122,8 +122,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, decode):
-        self.decode = decode  # token ids -> text
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # a tokenizers.Tokenizer, or None (token ids only)
         self.metrics = None  # the server's counters (entrypoints/openai/metrics.py: ServerMetrics)
         self._states: dict[str, RequestState] = {}
         self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by the core's choice id
@@ -137,13 +137,16 @@ class OutputProcessor:
     def add(self, request: EngineCoreRequest, sink, engine_index: int) -> None:
         stops = request.sampling_params.stop
         streams = isinstance(sink, RequestStream)
-        choices = [Choice(i, IncrementalDetokenizer(self.decode) if streams or stops else None)
+        choices = [Choice(i, IncrementalDetokenizer(self.tokenizer) if streams or stops else None)
                    for i in range(request.sampling_params.n)]
         state = RequestState(request, sink, engine_index, max(map(len, stops)) - 1 if stops else 0,
                              choices, streams)
         with self._lock:
             self._states[request.request_id] = state
             self._choices.update((cid, (state, c)) for cid, c in zip(request.choice_ids, choices))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return decode(self.tokenizer, token_ids)
 
     def process(self, msg: EngineCoreOutputs) -> list[str]:
         """Apply one step's outputs of a core; returns the choices a stop string ended here (to abort)."""
