@@ -24,6 +24,9 @@ def test_killed_worker_surfaces_as_error_and_no_process_is_left():
 
 
 def test_worker_dying_before_it_joins_fails_start_up_fast(monkeypatch):
+    """Also: workers fork from a forkserver started before the variable is set (by the engine
+    here), and each still runs with the engine's environment of now."""
+    LLM("builtin:llama-tiny", device="cpu", tensor_parallel_size=2).shutdown()
     monkeypatch.setenv("LONGSERVE_TEST_WORKER_EXIT", "2")
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 2 died .*starting"):
