@@ -32,17 +32,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights, ids
 
 
-def moe_group_rank(ps: ParallelState) -> tuple[int, int]:
-    """(rank, size) of this rank among the DP x TP ranks that share an expert layer."""
-    size = ps.dp.world_size * ps.tp.world_size
-    return ps.dp.rank_in_group * ps.tp.world_size + ps.tp.rank_in_group, size
-
-
 class FusedMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, expert_parallel: bool):
         super().__init__()
         num_experts, width, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        rank, size = moe_group_rank(ps)
+        size = ps.dp.world_size * ps.tp.world_size  # the DP x TP ranks share each expert layer
+        rank = ps.dp.rank_in_group * ps.tp.world_size + ps.tp.rank_in_group
         self.dp, self.tp = ps.dp, ps.tp
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.num_experts, self.expert_parallel = num_experts, expert_parallel
@@ -66,10 +61,6 @@ class FusedMoE(nn.Module):
         kinds = ("gate", "up") if kind == "gate_up" else (kind,)
         return [(k, e) for e in range(self.num_experts) for k in kinds]
 
-    def _local(self, expert: int) -> int | None:
-        e = expert - self.first
-        return e if 0 <= e < self.num_local else None
-
     def load_w13(self, param, loaded, shard):
         kind, expert = shard
         if expert is None:  # fused [E, 2 * width, hidden]: gate rows then up rows
@@ -77,11 +68,9 @@ class FusedMoE(nn.Module):
             for e in range(self.num_experts):
                 self.load_w13(param, loaded[e, :full], ("gate", e))
                 self.load_w13(param, loaded[e, full:], ("up", e))
-            return
-        local = self._local(expert)
-        if local is not None:
+        elif self.first <= expert < self.first + self.num_local:  # (another rank's: skipped)
             offset = 0 if kind == "gate" else self.width
-            _copy_checked(param.data[local].narrow(0, offset, self.width),
+            _copy_checked(param.data[expert - self.first].narrow(0, offset, self.width),
                           loaded.narrow(0, self.width_start, self.width))
 
     def load_w2(self, param, loaded, shard):
@@ -89,10 +78,8 @@ class FusedMoE(nn.Module):
         if expert is None:  # fused [E, hidden, width]
             for e in range(self.num_experts):
                 self.load_w2(param, loaded[e], ("down", e))
-            return
-        local = self._local(expert)
-        if local is not None:
-            _copy_checked(param.data[local], loaded.narrow(1, self.width_start, self.width))
+        elif self.first <= expert < self.first + self.num_local:
+            _copy_checked(param.data[expert - self.first], loaded.narrow(1, self.width_start, self.width))
 
     def forward(self, x: torch.Tensor, reduce: str = "all", dp_pad: int | None = None):
         return drain(self.stages(x, reduce, dp_pad, async_op=False))
@@ -107,7 +94,8 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"expert layer with data_parallel_size={self.dp.world_size} "
                                  f"needs the DP-agreed token count (got {dp_pad} for {num_tokens})")
             x = F.pad(x, (0, 0, 0, dp_pad - num_tokens))
-            dispatch = self.all_to_all if self.uses_all_to_all() else self.all_gather
+            all_to_all = self.expert_parallel and os.environ.get(DISPATCH_ENV) == "all_to_all"
+            dispatch = self.all_to_all if all_to_all else self.all_gather
             y = (yield from dispatch(x, async_op))[:num_tokens]
         else:
             y = self.experts(x, *self.route(x))
@@ -120,9 +108,6 @@ class FusedMoE(nn.Module):
 
     def route(self, x: torch.Tensor):
         return select_experts(self.gate(x), self.top_k, self.renormalize)
-
-    def uses_all_to_all(self) -> bool:
-        return self.expert_parallel and os.environ.get(DISPATCH_ENV) == "all_to_all"
 
     def all_gather(self, x: torch.Tensor, async_op: bool):
         """Every rank routes the DP group's tokens and sums its experts' share of each."""
