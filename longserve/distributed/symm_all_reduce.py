@@ -29,20 +29,16 @@ class SymmAllReduce:
         self.buf = symmetric_buffer(symm_mem, table[-1][0], device)
         symm_mem.rendezvous(self.buf, self.name)  # views of buf start at its base: same handle
 
-    def algorithm(self, x: torch.Tensor, nbytes: int) -> str | None:
-        offset = x.storage_offset() * x.element_size()  # the kernels want x aligned as the buffer
-        if x.dtype not in DTYPES or not x.is_contiguous() or not nbytes or (nbytes | offset) % 16:
-            return None
-        alg = next((alg for limit, alg in self.table if nbytes <= limit), None)
-        return None if alg == "nccl" else alg
-
     def all_reduce(self, x: torch.Tensor) -> bool:
         """Sum x over the group in place; False: not this path (dtype, layout or size)."""
-        alg = self.algorithm(x, x.numel() * x.element_size())
-        if alg is None:
+        nbytes, offset = x.numel() * x.element_size(), x.storage_offset() * x.element_size()
+        if x.dtype not in DTYPES or not x.is_contiguous() or not nbytes or (nbytes | offset) % 16:
+            return False  # (the kernels want x aligned as the buffer)
+        alg = next((alg for limit, alg in self.table if nbytes <= limit), "nccl")
+        if alg == "nccl":
             return False
         flat = x.view(-1)
-        self._reduce(alg, self.buf[:flat.numel() * flat.element_size()].view(x.dtype), flat, flat)
+        self._reduce(alg, self.buf[:nbytes].view(x.dtype), flat, flat)
         return True
 
     def _reduce(self, alg: str, staged: torch.Tensor, local: torch.Tensor, out: torch.Tensor):
