@@ -112,8 +112,7 @@ class TorchAttentionBackend:
         k, v = self.suffix_kv_heads(layer, k, v, meta.ps)
         if meta.prefix is None:
             return self.suffix_attention(q, k, v, meta, layer.scale, False)[0]
-        prefix_q = meta.ps.pcp.all_gather(q, 0) if meta.ps.pcp.world_size > 1 else q
-        prefix = self.sharded_paged_attention(layer, prefix_q, meta.prefix, meta.ps,
+        prefix = self.sharded_paged_attention(layer, meta.ps.pcp.all_gather(q, 0), meta.prefix, meta.ps,
                                               meta.ps.pcp.world_size > 1, async_op=True)
         out, lse = self.suffix_attention(q, k, v, meta, layer.scale, True)  # under the exchange
         p_out, p_lse = prefix()
@@ -159,8 +158,7 @@ class TorchAttentionBackend:
         """Attention of q over every CP rank's shard of the cache. q [N, Hq, D]: this rank's rows, or
         (rows_split) the PCP all-gather of all ranks' rows; returns this rank's rows and heads (async_op:
         a function returning them, the exchange of partials in flight until it is called)."""
-        if ps.dcp.world_size > 1:  # the DCP group's heads: they share the KV heads stored here
-            q = ps.dcp.all_gather(q, 1)
+        q = ps.dcp.all_gather(q, 1)  # the DCP group's heads: they share the KV heads stored here
         args = (q, layer.kv_cache[0], layer.kv_cache[1], part, layer.scale, layer.kv_scale)
         if ps.cp.world_size == 1:
             result = self.paged_attention(*args)
