@@ -16,7 +16,7 @@ PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starco
 def gguf_tokenizer(meta: dict, path: str):
     """A `tokenizers.Tokenizer` equal to the file's (vocabulary, merges, special tokens, pre-tokenizer,
     BOS when `add_bos_token` says so); None if the file has no tokenizer."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         return None
@@ -33,7 +33,6 @@ def gguf_tokenizer(meta: dict, path: str):
                     for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)])
     bos = meta.get("tokenizer.ggml.bos_token_id")
     if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        from tokenizers import processors
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
             special_tokens=[(tokens[bos], bos)])

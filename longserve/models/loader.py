@@ -103,13 +103,25 @@ def load_named(params: dict, name: str, tensor, file: str, cfg: ModelConfig, loa
     if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
         return  # (some tied checkpoints still carry a copy of the embedding)
     scale_key = checkpoint_scale_key(name)
-    if scale_key is None:
-        load_one(params, name, tensor, file, loaded, shapes)
-    elif tensor.numel() not in (1, cfg.num_kv_heads) or not bool((tensor.float() > 0).all()):
-        raise ValueError(f"KV cache scale {name!r} in {file} must be one positive number or one "
-                         f"per KV head ({cfg.num_kv_heads}), got shape {tuple(tensor.shape)}")
-    else:
+    if scale_key is not None:
+        if tensor.numel() not in (1, cfg.num_kv_heads) or not bool((tensor.float() > 0).all()):
+            raise ValueError(f"KV cache scale {name!r} in {file} must be one positive number or one "
+                             f"per KV head ({cfg.num_kv_heads}), got shape {tuple(tensor.shape)}")
         kv_scales[scale_key] = tensor.float()
+        return
+    param_name, shard = checkpoint_to_param_name(name)
+    param = params.get(param_name)
+    if param is None or name not in shapes:
+        raise ValueError(f"unexpected tensor {name!r} in {file}")
+    if tuple(tensor.shape) != shapes[name]:
+        raise ValueError(f"tensor {name!r} in {file} has shape {tuple(tensor.shape)}; "
+                         f"the config asks for {shapes[name]}")
+    try:
+        param.weight_loader(param, tensor.to(param.dtype), shard)
+    except ValueError as e:
+        raise ValueError(f"tensor {name!r} in {file}: {e}") from None
+    expand = getattr(param, "expand_shard", None)
+    loaded.update((param_name, s) for s in (expand(shard) if expand else [shard]))
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -154,22 +166,6 @@ def fused_expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     e, h, w = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     shapes = {"gate.weight": (e, h), "experts.gate_up_proj": (e, 2 * w, h), "experts.down_proj": (e, h, w)}
     return {f"model.layers.{i}.mlp.{name}": s for i in cfg.moe_layers for name, s in shapes.items()}
-
-
-def load_one(params: dict, name: str, tensor: torch.Tensor, file: str, loaded: set, shapes: dict) -> None:
-    param_name, shard = checkpoint_to_param_name(name)
-    param = params.get(param_name)
-    if param is None or name not in shapes:
-        raise ValueError(f"unexpected tensor {name!r} in {file}")
-    if tuple(tensor.shape) != shapes[name]:
-        raise ValueError(f"tensor {name!r} in {file} has shape {tuple(tensor.shape)}; "
-                         f"the config asks for {shapes[name]}")
-    try:
-        param.weight_loader(param, tensor.to(param.dtype), shard)
-    except ValueError as e:
-        raise ValueError(f"tensor {name!r} in {file}: {e}") from None
-    expand = getattr(param, "expand_shard", None)
-    loaded.update((param_name, s) for s in (expand(shard) if expand else [shard]))
 
 
 def expected_shards(param_name: str, cfg: ModelConfig | None = None) -> list:
