@@ -59,21 +59,14 @@ def group_ranks(cfg: ParallelConfig) -> dict[str, list[list[int]]]:
     tp, pcp, dcp, dp = (cfg.tensor_parallel_size, cfg.prefill_context_parallel_size,
                         cfg.decode_context_parallel_size, cfg.data_parallel_size)
     rank = lambda d, p, t: (d * pcp + p) * tp + t  # noqa: E731 (the module docstring's layout)
-    groups: dict[str, list[list[int]]] = {"tp": [], "pcp": [], "dcp": [], "cp": [], "dp": [], "model": []}
-    for d in range(dp):
-        groups["model"].append([rank(d, p, t) for p in range(pcp) for t in range(tp)])
-        for p in range(pcp):
-            groups["tp"].append([rank(d, p, t) for t in range(tp)])
-            for start in range(0, tp, dcp):
-                groups["dcp"].append([rank(d, p, t) for t in range(start, start + dcp)])
-        for t in range(tp):
-            groups["pcp"].append([rank(d, p, t) for p in range(pcp)])
-        for head_group in range(tp // dcp):
-            groups["cp"].append([rank(d, p, head_group * dcp + r) for p in range(pcp) for r in range(dcp)])
-    for p in range(pcp):
-        for t in range(tp):
-            groups["dp"].append([rank(d, p, t) for d in range(dp)])
-    return groups
+    D, P, T, R = range(dp), range(pcp), range(tp), range(dcp)
+    S = range(0, tp, dcp)  # the first TP rank of each DCP group (each KV head group)
+    return {"tp": [[rank(d, p, t) for t in T] for d in D for p in P],
+            "pcp": [[rank(d, p, t) for p in P] for d in D for t in T],
+            "dcp": [[rank(d, p, s + r) for r in R] for d in D for p in P for s in S],
+            "cp": [[rank(d, p, s + r) for p in P for r in R] for d in D for s in S],
+            "dp": [[rank(d, p, t) for d in D] for p in P for t in T],
+            "model": [[rank(d, p, t) for p in P for t in T] for d in D]}
 
 
 class GroupCoordinator:
