@@ -127,8 +127,7 @@ class TorchAttentionBackend:
         base = meta.num_decode_tokens
         for s in meta.prefill_segments:
             rows = slice(s.q0 - base, s.q1 - base)
-            o, l = self.segment_attention(q[rows], k, v, s, scale, need_lse)
-            out[rows] = o
+            out[rows], l = self.segment_attention(q[rows], k, v, s, scale, need_lse)
             if need_lse:
                 lse[rows] = l
         return out, lse
