@@ -46,6 +46,7 @@ def test_same_tokens_and_nothing_left(expected, layout):
         assert executor.driver is None and len(executor.procs) == llm.config.parallel.replica_size
         assert tokens(llm) == expected
         assert_pool_whole(llm)
+        assert llm.engine.core_stats()["num_dbo_steps"] is None  # (counted in rank 0's process)
         pids = [p.pid for p in executor.procs]
         assert "rank 0:" in llm.engine.startup  # its start-up phases reach the banner
     deadline = time.monotonic() + 10

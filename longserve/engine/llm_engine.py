@@ -232,8 +232,8 @@ class LLMEngine:
         """The cores' counters (prompt tokens computed, prefix hits, KV loads...), summed."""
         total: dict = {}
         for core in range(self.coordinator.num_cores):
-            for k, v in self.call("stats", core=core).items():
-                total[k] = total.get(k, 0) + v
+            for k, v in self.call("stats", core=core).items():  # (None: not counted where it runs)
+                total[k] = None if v is None else total.get(k, 0) + v
         return total
 
     def pool_states(self) -> list[dict]:
