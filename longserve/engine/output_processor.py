@@ -128,7 +128,6 @@ class OutputProcessor:
         self._states: dict[str, RequestState] = {}
         self._choices: dict[str, tuple[RequestState, Choice]] = {}  # by the core's choice id
         self._lock = threading.Lock()
-        self._num_new, self._gaps = 0, []  # a process call's new tokens and their gaps (metrics)
 
     @property
     def num_unfinished(self) -> int:
@@ -151,14 +150,15 @@ class OutputProcessor:
     def process(self, msg: EngineCoreOutputs) -> list[str]:
         """Apply one step's outputs of a core; returns the choices a stop string ended here (to abort)."""
         now, deliveries, stopped = time.perf_counter(), [], []
+        num_new, gaps = 0, []  # the metrics' new tokens and their inter-token gaps
         entries = [(rid, (t,), PLAIN) for rid, t in zip(msg.token_req_ids, msg.token_ids)]
         with self._lock:
-            self._num_new, self._gaps = 0, []
             for rid, new, o in entries + [(o.request_id, o.new_token_ids, o) for o in msg.outputs]:
                 state, choice = self._choices.get(rid, (None, None))
                 if state is None:
                     continue  # ended here already (stop string, abort)
-                if self._update(state, choice, new, o, now):
+                num_new += len(new)
+                if self._update(state, choice, new, o, now, gaps):
                     if o.finish_reason is None:
                         stopped.append(rid)
                     deliveries.append(self._finish(state, choice, o, now))
@@ -166,13 +166,13 @@ class OutputProcessor:
                     text, upto = choice.detokenizer.text, len(choice.detokenizer.text) - state.holdback
                     deliveries.append((state.sink, self._stream_output(
                         state, choice, text[choice.text_sent:upto] if upto > choice.text_sent else "")))
-            if self.metrics is not None and self._num_new:  # once a call, not once a request
-                self.metrics.tokens(self._num_new, self._gaps)
+            if self.metrics is not None and num_new:  # once a call, not once a request
+                self.metrics.tokens(num_new, gaps)
         _deliver([d for d in deliveries if d[1] is not None])
         return stopped
 
     def _update(self, state: RequestState, choice: Choice, new_ids: list[int], o: EngineCoreOutput,
-                now: float) -> bool:
+                now: float, gaps: list[float]) -> bool:
         """Take the new tokens in; True when the choice ended (in its core or by a stop string)."""
         choice.output_token_ids += new_ids
         if o.new_logprobs:
@@ -180,7 +180,7 @@ class OutputProcessor:
         if o.prompt_logprobs is not None:
             state.prompt_ranks = [None] + [rank for rank, _ in o.prompt_logprobs]
             state.prompt_logprobs = [None] + [entry for _, entry in o.prompt_logprobs]
-        self._count_tokens(state, choice, len(new_ids), now)
+        self._count_tokens(state, choice, len(new_ids), now, gaps)
         if choice.detokenizer is None:
             return o.finish_reason is not None
         new = choice.detokenizer.update(choice.output_token_ids)
@@ -266,7 +266,8 @@ class OutputProcessor:
                     self._choices.pop(cid, None)
         _deliver([(s.sink, error) for s in dead])
 
-    def _count_tokens(self, state: RequestState, choice: Choice, n_new: int, now: float) -> None:
+    def _count_tokens(self, state: RequestState, choice: Choice, n_new: int, now: float,
+                      gaps: list[float]) -> None:
         if n_new == 0:
             return
         if state.first_token_time is None:
@@ -274,8 +275,7 @@ class OutputProcessor:
             if self.metrics is not None:
                 self.metrics.first_token(state.request.num_prompt_tokens, now - state.request.arrival_time)
         elif self.metrics is not None and choice.last_time is not None:  # together: a shared gap
-            self._gaps += [(now - choice.last_time) / n_new] * n_new
-        self._num_new += n_new
+            gaps += [(now - choice.last_time) / n_new] * n_new
         choice.last_time = now
 
 

@@ -57,6 +57,7 @@ class KVBlockZeroer:
         self.seg_table: torch.Tensor | None = None  # int64 [num_segments, 2], on device
         self.chunk_bytes = 0
         self.num_chunks = 0  # chunks of the largest page
+        self.kernel = None  # zero_kv_kernel's, imported once the Triton path is set up
 
     def init_meta(self, attn_groups_iter: Iterable[AttentionGroup], kernel_block_sizes: list[int],
                   cache_dtype: str | torch.dtype, runner_only_attn_layers: set[str],
